@@ -1,0 +1,940 @@
+"""Microbenchmarks of the eager pytree hot path: stock vs patched python pytree vs ``_cxx_pytree``.
+
+Everything is timed in ONE process, interleaved round-robin per (case, op), so the
+ratios compare implementations measured in the same time window:
+
+* ``stock``   -- the stock PyTorch v2.13.0 ``torch/utils/_pytree.py``, loaded from its
+                 source file (``--baseline FILE``) as the alias module ``_pytree_baseline``.
+                 It has its own registries; the benchmark's test classes are registered in it.
+* ``patched`` -- ``torch.utils._pytree`` of the torch that ``import torch`` gives.
+* ``cxx``     -- ``torch.utils._cxx_pytree`` (optree backed) of the same torch.
+
+How to run (from a PyTorch checkout; the script needs only torch, transformers and
+matplotlib are optional)::
+
+    git show v2.13.0:torch/utils/_pytree.py > /tmp/stock_pytree.py
+    python benchmarks/pytree/pytree_bench.py --baseline /tmp/stock_pytree.py \\
+        --json /tmp/pytree_bench.json --plot /tmp/pytree_bench.png
+
+    # CI smoke (< 60 s) and regression gate: exit 1 if any patched/stock ratio > 1.10
+    python benchmarks/pytree/pytree_bench.py --baseline /tmp/stock_pytree.py --quick --check 1.10
+
+Without ``--baseline`` only ``patched`` and ``cxx`` are timed and patched/stock ratios
+are ``n/a``. Features of a newer ``torch.utils._pytree`` (``register_pytree_family``) are
+feature-detected; on a torch without them the family cases are skipped.
+
+Method: every (case, op) is a group of ``torch.utils.benchmark.Timer`` objects, one per
+implementation. Each member is calibrated and warmed up once with ``blocked_autorange``;
+then each round times ``--blocks`` blocks of ~``--block-time`` seconds (``Timer.timeit``)
+for every member of the group, the order alternating between rounds. The round value of a
+member is its fastest block (preemption by other processes only ever adds time), and the
+reported value is the median over rounds of the round values. The patched/stock and patched/cxx ratios
+are paired: the median over rounds of the per-round ratio (members of a round are timed
+milliseconds apart, which cancels most of the drift of a shared machine). ``treespec_loads`` is wrapped in ``functools.lru_cache``
+in stock (and in ``_cxx_pytree``); the loads statement calls ``cache_clear()`` of every
+cache on the path before each call (the same few-ns overhead in every column), so loads
+really parses. The single-call cases that a Timer cannot express (a family type seen for
+the first time, registering a family over 200 subclasses) use ``time.perf_counter_ns``
+around batches, with GC disabled, in the same round-robin scheme.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import gc
+import hashlib
+import importlib.util
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections import OrderedDict
+from typing import Any, Callable
+
+import torch
+import torch.utils._pytree as pytree
+from torch.utils.benchmark import Compare, Measurement, Timer
+
+
+try:
+    import torch.utils._cxx_pytree as cxx_pytree
+except ImportError:  # optree missing or too old
+    cxx_pytree = None
+
+
+HAS_FAMILY = hasattr(pytree, "register_pytree_family")
+OPS = (
+    "tree_flatten",
+    "tree_unflatten",
+    "tree_map",
+    "tree_leaves",
+    "tree_flatten_with_path",
+    "treespec_dumps",
+    "treespec_loads",
+)
+
+
+# ---------------------------------------------------------------------------
+# implementations
+# ---------------------------------------------------------------------------
+
+
+def load_baseline(path: str):
+    """Load a stock ``torch/utils/_pytree.py`` under the alias ``_pytree_baseline``."""
+    name = "_pytree_baseline"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"cannot load baseline pytree from {path!r}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses needs the module in sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+def _clear_fns(*fns: Any) -> Callable[[], None]:
+    clears = [f.cache_clear for f in fns if hasattr(f, "cache_clear")]
+
+    def clear() -> None:
+        for c in clears:
+            c()
+
+    return clear
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
+# ---------------------------------------------------------------------------
+# test types
+# ---------------------------------------------------------------------------
+
+
+class HFLikeBase(OrderedDict):
+    """Mimics ``transformers.utils.generic.ModelOutput``: an OrderedDict + dataclass fields."""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if v is not None:
+                self[f.name] = v
+
+
+@dataclasses.dataclass
+class HFLikeOutputExact(HFLikeBase):
+    last_hidden_state: Any = None
+    past_key_values: Any = None
+    hidden_states: Any = None
+    attentions: Any = None
+
+
+@dataclasses.dataclass
+class HFLikeOutputFamily(HFLikeBase):
+    last_hidden_state: Any = None
+    past_key_values: Any = None
+    hidden_states: Any = None
+    attentions: Any = None
+
+
+class SmallBase(OrderedDict):
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if v is not None:
+                self[f.name] = v
+
+
+@dataclasses.dataclass
+class SmallExact(SmallBase):
+    a: Any = None
+    b: Any = None
+
+
+@dataclasses.dataclass
+class SmallFamily(SmallBase):
+    a: Any = None
+    b: Any = None
+
+
+def _mapping_flatten(obj: Any) -> tuple[list[Any], list[Any]]:
+    # same as transformers' _model_output_flatten
+    return list(obj.values()), list(obj.keys())
+
+
+def _mapping_unflatten(cls: type, values: Any, context: Any) -> Any:
+    # same as transformers' _model_output_unflatten
+    return cls(**dict(zip(context, values)))
+
+
+def register_exact(module: Any, cls: type, flatten=None, unflatten=None) -> None:
+    """Exact registration of an OrderedDict+dataclass type, the way transformers does it."""
+    module.register_pytree_node(
+        cls,
+        flatten or _mapping_flatten,
+        unflatten or functools.partial(_mapping_unflatten, cls),
+        serialized_type_name=f"{cls.__module__}.{cls.__qualname__}",
+        flatten_with_keys_fn=module._dict_flatten_with_keys,
+    )
+
+
+def _has_leaves(module: Any, tree: Any, n: int) -> bool:
+    try:
+        return len(module.tree_leaves(tree)) == n
+    except Exception:
+        return False
+
+
+def ensure_family(base: type, probe: Any, n_leaves: int) -> dict[str, bool]:
+    """Make ``base`` a family in the patched python pytree (and _cxx_pytree if it supports it).
+
+    Returns which of patched/cxx now flatten ``probe`` (an instance of a non-exact subclass)
+    into ``n_leaves`` leaves.
+    """
+    ok = {"patched": False, "cxx": False}
+    if not HAS_FAMILY:
+        return ok
+    if not _has_leaves(pytree, probe, n_leaves):
+        try:
+            pytree.register_pytree_family(base)
+        except Exception as e:  # already registered lazily, etc.
+            print(f"  note: register_pytree_family({base.__name__}): {e!r}")
+    ok["patched"] = _has_leaves(pytree, probe, n_leaves)
+    if cxx_pytree is not None:
+        if not _has_leaves(cxx_pytree, probe, n_leaves) and hasattr(
+            cxx_pytree, "register_pytree_family"
+        ):
+            try:
+                cxx_pytree.register_pytree_family(base)
+            except Exception as e:
+                print(f"  note: cxx register_pytree_family({base.__name__}): {e!r}")
+        ok["cxx"] = _has_leaves(cxx_pytree, probe, n_leaves)
+    return ok
+
+
+# ---------------------------------------------------------------------------
+# cases
+# ---------------------------------------------------------------------------
+
+
+def _tensors(n: int) -> list[torch.Tensor]:
+    return [torch.zeros(()) for _ in range(n)]
+
+
+def case_list(n: int) -> Any:
+    return _tensors(n)
+
+
+def case_dict(n: int) -> Any:
+    t = _tensors(n)
+    return {f"k{i}": t[i] for i in range(n)}
+
+
+def case_nested() -> Any:
+    t = iter(_tensors(600))
+    return [
+        {"a": next(t), "b": (next(t), next(t)), "c": [next(t), next(t), next(t)]}
+        for _ in range(100)
+    ]
+
+
+def case_deep(depth: int) -> Any:
+    tree: Any = torch.zeros(())
+    for _ in range(depth):
+        tree = [tree]
+    return tree
+
+
+def _kv_layers(n_layers: int, per_layer: int) -> tuple:
+    return tuple(tuple(_tensors(per_layer)) for _ in range(n_layers))
+
+
+@dataclasses.dataclass
+class Variant:
+    column: str  # "stock" | "patched" | "cxx" | "patched[family]" | "cxx[family]"
+    module: Any
+    tree: Any
+
+
+@dataclasses.dataclass
+class Group:
+    case: str
+    leaves: int
+    variants: list[Variant]
+    ops: tuple[str, ...]
+    # column renames that produce a second output row from the same group
+    family_row: str | None = None
+
+
+def std_variants(impls: dict[str, Any], tree: Any) -> list[Variant]:
+    return [Variant(col, mod, tree) for col, mod in impls.items()]
+
+
+def hf_variants(
+    impls: dict[str, Any], exact_tree: Any, family_tree: Any, fam_ok: dict[str, bool]
+) -> list[Variant]:
+    out = std_variants(impls, exact_tree)
+    if fam_ok.get("patched"):
+        out.append(Variant("patched[family]", pytree, family_tree))
+    if fam_ok.get("cxx") and "cxx" in impls:
+        out.append(Variant("cxx[family]", cxx_pytree, family_tree))
+    return out
+
+
+def build_hf_like(impls: dict[str, Any]) -> Group:
+    t = _tensors(49)
+    kw = dict(last_hidden_state=t[0], past_key_values=tuple((t[1 + 2 * i], t[2 + 2 * i]) for i in range(24)))
+    exact, family = HFLikeOutputExact(**kw), HFLikeOutputFamily(**kw)
+    fam_ok = ensure_family(HFLikeBase, family, 49)
+    return Group("hf_like_49", 49, hf_variants(impls, exact, family, fam_ok), OPS, "hf_like_49 [family]")
+
+
+def build_transformers(impls: dict[str, Any], stock: Any | None) -> list[Group]:
+    try:
+        from transformers.modeling_outputs import BaseModelOutputWithPast, Seq2SeqLMOutput
+        from transformers.utils import generic as hf_generic
+    except Exception as e:
+        print(f"  transformers cases skipped: {e!r}")
+        return []
+
+    def cache_field(cls: type) -> str:
+        names = [f.name for f in dataclasses.fields(cls)]
+        return "cache" if "cache" in names else "past_key_values"
+
+    def family_subclass(cls: type) -> type:
+        # A subclass of the real class with transformers' auto-registration removed,
+        # so the patched pytree resolves it through the ModelOutput family.
+        sub = dataclasses.dataclass(type(f"Family{cls.__name__}", (cls,), {"__module__": __name__}))
+        if sub in getattr(pytree, "SUPPORTED_NODES", {}):
+            pytree._deregister_pytree_node(sub)
+        if cxx_pytree is not None:
+            import optree
+
+            try:
+                optree.unregister_pytree_node(sub, namespace="torch")
+            except Exception:
+                pass
+        return sub
+
+    groups = []
+    specs = [
+        (BaseModelOutputWithPast, 24, 2, lambda cls, t, kv: {"last_hidden_state": t[0], cache_field(cls): kv}, 1),
+        (
+            Seq2SeqLMOutput,
+            12,
+            4,
+            lambda cls, t, kv: {
+                "loss": t[0],
+                "logits": t[1],
+                cache_field(cls): kv,
+                "encoder_last_hidden_state": t[2],
+            },
+            3,
+        ),
+    ]
+    for cls, n_layers, per_layer, make_kw, extra in specs:
+        n = n_layers * per_layer + extra
+        kv = _kv_layers(n_layers, per_layer)
+        t = _tensors(extra)
+        exact = cls(**make_kw(cls, t, kv))
+        if stock is not None and cls not in stock.SUPPORTED_NODES:
+            # transformers' own registration functions, registered in the alias module too
+            flat = getattr(hf_generic, "_model_output_flatten", None)
+            unflat = getattr(hf_generic, "_model_output_unflatten", None)
+            register_exact(
+                stock,
+                cls,
+                flat,
+                functools.partial(unflat, output_type=cls) if unflat else None,
+            )
+        sub = family_subclass(cls)
+        family = sub(**make_kw(sub, t, kv))
+        fam_ok = (
+            ensure_family(hf_generic.ModelOutput, family, n) if HAS_FAMILY else {}
+        )
+        if not _has_leaves(pytree, exact, n):
+            print(f"  {cls.__name__}: patched pytree does not see {n} leaves, skipped")
+            continue
+        name = f"hf_{cls.__name__}_{n}"
+        groups.append(Group(name, n, hf_variants(impls, exact, family, fam_ok), OPS, f"{name} [family]"))
+    return groups
+
+
+# ---------------------------------------------------------------------------
+# timing
+# ---------------------------------------------------------------------------
+
+
+def make_stmt(op: str, v: Variant) -> tuple[str, dict[str, Any]]:
+    m, tree = v.module, v.tree
+    if op == "tree_flatten":
+        return "f(x)", {"f": m.tree_flatten, "x": tree}
+    if op == "tree_unflatten":
+        leaves, spec = m.tree_flatten(tree)
+        return "f(l, s)", {"f": m.tree_unflatten, "l": leaves, "s": spec}
+    if op == "tree_map":
+        return "f(g, x)", {"f": m.tree_map, "g": _identity, "x": tree}
+    if op == "tree_leaves":
+        return "f(x)", {"f": m.tree_leaves, "x": tree}
+    if op == "tree_flatten_with_path":
+        return "f(x)", {"f": m.tree_flatten_with_path, "x": tree}
+    if op == "tree_is_leaf":
+        return "f(x)", {"f": m.tree_is_leaf, "x": tree}
+    if op == "treespec_dumps":
+        return "f(s)", {"f": m.treespec_dumps, "s": m.tree_structure(tree)}
+    if op == "treespec_loads":
+        s = m.treespec_dumps(m.tree_structure(tree))
+        fns = [m.treespec_loads]
+        if m is cxx_pytree:
+            fns.append(pytree.treespec_loads)  # cxx loads goes through the python loads
+        return "c(); f(j)", {"f": m.treespec_loads, "j": s, "c": _clear_fns(*fns)}
+    raise ValueError(op)
+
+
+def validate(op: str, v: Variant, stmt_globals: dict[str, Any], n_leaves: int) -> str | None:
+    """Run the op once and check it does real work; return a reason when it cannot be timed."""
+    m, tree = v.module, v.tree
+    try:
+        if op == "tree_is_leaf":
+            return None if m.tree_is_leaf(tree) is True else "not a leaf"
+        leaves = m.tree_leaves(tree)
+        if len(leaves) != n_leaves:
+            return f"sees {len(leaves)} leaves, expected {n_leaves}"
+        if op == "tree_flatten":
+            m.tree_flatten(tree)
+        elif op == "tree_unflatten":
+            out = m.tree_unflatten(stmt_globals["l"], stmt_globals["s"])
+            if type(out) is not type(tree):
+                return f"unflatten gave {type(out).__name__}"
+        elif op == "tree_map":
+            m.tree_map(_identity, tree)
+        elif op == "tree_leaves":
+            pass
+        elif op == "tree_flatten_with_path":
+            kl, _ = m.tree_flatten_with_path(tree)
+            if len(kl) != n_leaves:
+                return "wrong number of paths"
+        elif op == "treespec_dumps":
+            m.treespec_dumps(stmt_globals["s"])
+        elif op == "treespec_loads":
+            spec = m.treespec_loads(stmt_globals["j"])
+            if spec != m.tree_structure(tree):
+                return "loads(dumps(spec)) != spec"
+    except Exception as e:
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:60] if str(e) else ''}"
+    return None
+
+
+@dataclasses.dataclass
+class Result:
+    case: str
+    op: str
+    leaves: int
+    rounds: dict[str, list[float]]  # column -> per-round medians (seconds)
+    skipped: dict[str, str]
+    measurements: dict[str, list[Measurement]] = dataclasses.field(default_factory=dict)
+    gated: bool = True
+    note: str = ""
+
+
+def run_group(group: Group, op: str, rounds: int, block_time: float, blocks: int) -> Result:
+    timers: list[tuple[str, Timer]] = []
+    skipped: dict[str, str] = {}
+    for v in group.variants:
+        try:
+            stmt, g = make_stmt(op, v)
+        except Exception as e:
+            skipped[v.column] = f"{type(e).__name__}"
+            continue
+        why = validate(op, v, g, group.leaves)
+        if why:
+            skipped[v.column] = why
+            continue
+        timers.append(
+            (v.column, Timer(stmt, globals=g, label=op, sub_label=group.case, description=v.column))
+        )
+    res = Result(group.case, op, group.leaves, {c: [] for c, _ in timers}, skipped)
+    res.measurements = {c: [] for c, _ in timers}
+    # Calibrate (and warm up) every member once with blocked_autorange, then time fixed-size
+    # blocks of ~block_time: short blocks let the members alternate quickly, so the paired
+    # ratios compare measurements taken milliseconds apart.
+    number = {}
+    for col, timer in timers:
+        per_call = timer.blocked_autorange(min_run_time=max(0.005, 3 * block_time)).median
+        number[col] = max(1, int(block_time / per_call))
+    for r in range(rounds):
+        order = timers if r % 2 == 0 else timers[::-1]
+        for col, timer in order:
+            n_blocks = blocks if number[col] > 1 else min(blocks, 2)
+            ms = [timer.timeit(number[col]) for _ in range(n_blocks)]
+            # fastest block of the round: a block hit by preemption can only get slower
+            res.rounds[col].append(min(m.median for m in ms))
+            res.measurements[col].extend(ms)
+    return res
+
+
+def _time_batch(fn: Callable[[Any], Any], objs: list[Any]) -> float:
+    gc_was = gc.isenabled()
+    gc.disable()
+    try:
+        t0 = time.perf_counter_ns()
+        for o in objs:
+            fn(o)
+        t1 = time.perf_counter_ns()
+    finally:
+        if gc_was:
+            gc.enable()
+    return (t1 - t0) * 1e-9 / len(objs)
+
+
+def run_family_first_seen(impls: dict[str, Any], rounds: int, batch: int) -> list[Result]:
+    """Flatten an instance of a family subclass never seen before (cold) vs seen before (warm).
+
+    Fresh subclasses are created outside the timed region; each timed call flattens an
+    instance of a different, never-flattened subclass, so any per-type cache is cold.
+    Stock has no family; its column in the [warm] row is the same 2-leaf class registered
+    exactly (what a user had to do before), and the [cold] row has no stock column.
+    """
+    t = _tensors(2)
+    stock = impls.get("stock")
+    if stock is not None and SmallExact not in stock.SUPPORTED_NODES:
+        register_exact(stock, SmallExact)
+    fam_ok = ensure_family(SmallBase, SmallFamily(a=t[0], b=t[1]), 2)
+    cols = [c for c in ("patched", "cxx") if fam_ok.get(c)]
+    mods = {"patched": pytree, "cxx": cxx_pytree}
+    cold = Result("family_first_seen_2 [cold]", "tree_flatten", 2, {c: [] for c in cols}, {}, gated=False)
+    warm = Result("family_first_seen_2 [warm]", "tree_flatten", 2, {c: [] for c in cols}, {})
+    if stock is not None:
+        warm.rounds["stock"] = []
+    if not cols:
+        return []
+    counter = 0
+    for r in range(rounds):
+        order = cols if r % 2 == 0 else cols[::-1]
+        for col in order:
+            objs = []
+            for _ in range(batch):
+                counter += 1
+                cls = type(f"SmallFresh{counter}", (SmallFamily,), {"__module__": __name__})
+                objs.append(cls(a=t[0], b=t[1]))
+            flat = mods[col].tree_flatten
+            cold.rounds[col].append(_time_batch(flat, objs))
+            warm.rounds[col].append(_time_batch(flat, objs))
+        if stock is not None:
+            objs = [SmallExact(a=t[0], b=t[1]) for _ in range(batch)]
+            stock.tree_flatten(objs[0])
+            warm.rounds["stock"].append(_time_batch(stock.tree_flatten, objs))
+    ratio = statistics.median(a / b for a, b in zip(cold.rounds["patched"], warm.rounds["patched"])) if "patched" in cols else float("nan")
+    cold.note = f"per call, batches of {batch} fresh subclasses; patched cold/warm = {ratio:.2f}"
+    warm.note = "stock = the same 2-field class registered exactly (stock has no family)"
+    return [cold, warm]
+
+
+def run_family_registration(impls: dict[str, Any], rounds: int, reps: int, n_sub: int = 200) -> list[Result]:
+    """Make a base with ``n_sub`` subclasses pytree nodes, then flatten one instance of each.
+
+    patched: one ``register_pytree_family(base)`` + first flatten of each subclass.
+    stock:   ``n_sub`` exact ``register_pytree_node`` calls + first flatten of each (the only way
+             before the patch). Class creation and deregistration are outside the timed region.
+    """
+    if not HAS_FAMILY:
+        return []
+    stock = impls.get("stock")
+    t = _tensors(2)
+    counter = [0]
+
+    def fresh() -> tuple[type, list[type], list[Any]]:
+        counter[0] += 1
+        base = type(f"RegBase{counter[0]}", (SmallBase,), {"__module__": __name__})
+        leaf_cls = dataclasses.dataclass(
+            type(f"RegLeaf{counter[0]}", (base,), {"__module__": __name__, "__annotations__": {"a": Any, "b": Any}, "a": None, "b": None})
+        )
+        subs = [type(f"RegSub{counter[0]}_{i}", (leaf_cls,), {"__module__": __name__}) for i in range(n_sub)]
+        return base, subs, [c(a=t[0], b=t[1]) for c in subs]
+
+    def patched_once() -> float:
+        base, subs, objs = fresh()
+        gc.disable()
+        t0 = time.perf_counter_ns()
+        pytree.register_pytree_family(base)
+        for o in objs:
+            pytree.tree_flatten(o)
+        t1 = time.perf_counter_ns()
+        gc.enable()
+        assert len(pytree.tree_leaves(objs[0])) == 2
+        if hasattr(pytree, "_deregister_pytree_family"):
+            pytree._deregister_pytree_family(base)
+        return (t1 - t0) * 1e-9
+
+    def stock_once() -> float:
+        base, subs, objs = fresh()
+        flat, reg, tf = _mapping_flatten, stock.register_pytree_node, stock.tree_flatten
+        unflats = [functools.partial(_mapping_unflatten, c) for c in subs]
+        gc.disable()
+        t0 = time.perf_counter_ns()
+        for c, u in zip(subs, unflats):
+            reg(c, flat, u, serialized_type_name=c.__qualname__)
+        for o in objs:
+            tf(o)
+        t1 = time.perf_counter_ns()
+        gc.enable()
+        assert len(stock.tree_leaves(objs[0])) == 2
+        for c in subs:
+            stock._deregister_pytree_node(c)
+        return (t1 - t0) * 1e-9
+
+    fns = {"patched": patched_once}
+    if stock is not None:
+        fns["stock"] = stock_once
+    res = Result(f"register_family_{n_sub}_subclasses", "register+flatten", 2 * n_sub, {c: [] for c in fns}, {},
+                 gated=False)  # one-off cost, not the same operation in both columns: informational
+    res.skipped["cxx"] = "not measured"
+    cols = list(fns)
+    for r in range(rounds):
+        for col in cols if r % 2 == 0 else cols[::-1]:
+            res.rounds[col].append(statistics.median(fns[col]() for _ in range(reps)))
+    res.note = f"whole operation, median of {reps} per round; stock = {n_sub} exact registrations"
+    return [res]
+
+
+# ---------------------------------------------------------------------------
+# reporting
+# ---------------------------------------------------------------------------
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def _paired(a: list[float], b: list[float]) -> float | None:
+    if not a or not b:
+        return None
+    return statistics.median(x / y for x, y in zip(a, b))
+
+
+def rows_from_result(res: Result, family_row: str | None) -> list[dict[str, Any]]:
+    def row(case: str, cols: dict[str, str], gated: bool, note: str) -> dict[str, Any]:
+        get = lambda c: res.rounds.get(cols.get(c, ""), [])  # noqa: E731
+        p, s, x = get("patched"), get("stock"), get("cxx")
+        med = {c: _median(get(c)) * 1e6 for c in ("stock", "patched", "cxx") if get(c)}
+        d = {
+            "case": case,
+            "op": res.op,
+            "leaves": res.leaves,
+            "median_us": med,
+            "columns": cols,
+            "rounds_us": {c: [v * 1e6 for v in get(c)] for c in ("stock", "patched", "cxx") if get(c)},
+            "patched_over_stock": _paired(p, s),
+            "patched_over_cxx": _paired(p, x),
+            "ns_per_leaf_patched": (med["patched"] * 1e3 / res.leaves) if "patched" in med else None,
+            "skipped": {c: res.skipped[v] for c, v in cols.items() if v in res.skipped},
+            "gated": gated,
+            "note": note,
+        }
+        return d
+
+    out = [row(res.case, {"stock": "stock", "patched": "patched", "cxx": "cxx"}, res.gated, res.note)]
+    if family_row:
+        fam_cols = {"stock": "stock", "patched": "patched[family]", "cxx": "cxx[family]"}
+        if "patched[family]" in res.rounds:
+            r = row(family_row, fam_cols, True, "stock = exact registration (stock has no family)")
+            r["family_over_exact"] = _paired(res.rounds["patched[family]"], res.rounds.get("patched", []))
+            out.append(r)
+        else:
+            out.append(
+                {
+                    "case": family_row,
+                    "op": res.op,
+                    "leaves": res.leaves,
+                    "median_us": {},
+                    "skipped": {"patched": res.skipped.get("patched[family]", "no register_pytree_family")},
+                    "gated": False,
+                    "note": "skipped",
+                }
+            )
+    return out
+
+
+def _fmt_us(v: float | None) -> str:
+    if v is None or v != v:
+        return "n/a"
+    if v >= 100:
+        return f"{v:,.0f}"
+    if v >= 10:
+        return f"{v:.1f}"
+    return f"{v:.2f}"
+
+
+def _fmt_ratio(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.2f}"
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| case | op | leaves | stock µs | patched µs | cxx µs | patched/stock | patched/cxx | ns/leaf (patched) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        med = r.get("median_us", {})
+        if not med:
+            lines.append(f"| {r['case']} | {r['op']} | {r['leaves']} | skipped: {r.get('skipped')} | | | | | |")
+            continue
+        npl = r.get("ns_per_leaf_patched")
+        p_s = _fmt_ratio(r.get("patched_over_stock"))
+        if not r.get("gated", True) and r.get("patched_over_stock") is not None:
+            p_s += " (not gated)"
+        lines.append(
+            "| {case} | {op} | {leaves} | {s} | {p} | {x} | {ps} | {px} | {npl} |".format(
+                case=r["case"],
+                op=r["op"],
+                leaves=r["leaves"],
+                s=_fmt_us(med.get("stock")),
+                p=_fmt_us(med.get("patched")),
+                x=_fmt_us(med.get("cxx")),
+                ps=p_s,
+                px=_fmt_ratio(r.get("patched_over_cxx")),
+                npl="n/a" if npl is None else f"{npl:.0f}",
+            )
+        )
+    return "\n".join(lines)
+
+
+def scaling(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    by = {(r["case"], r["op"]): r for r in rows}
+    out = []
+    for op in OPS:
+        a, b = by.get(("list_1000", op)), by.get(("list_10000", op))
+        if not a or not b:
+            continue
+        for impl in ("stock", "patched", "cxx"):
+            t1, t10 = a["median_us"].get(impl), b["median_us"].get(impl)
+            if t1 and t10:
+                out.append({"op": op, "impl": impl, "t10k_over_t1k": t10 / t1,
+                            "ns_per_leaf_1k": t1 * 1e3 / 1000, "ns_per_leaf_10k": t10 * 1e3 / 10000})
+    return out
+
+
+def _pkg_version(name: str) -> str:
+    try:
+        import importlib.metadata as md
+
+        return md.version(name)
+    except Exception:
+        return "not installed"
+
+
+def _sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def machine_header(args: argparse.Namespace) -> dict[str, Any]:
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    h = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_pytree_file": pytree.__file__,
+        "optree": _pkg_version("optree"),
+        "transformers": _pkg_version("transformers"),
+        "platform": platform.platform(),
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "loadavg_before": os.getloadavg() if hasattr(os, "getloadavg") else None,
+        "patched_has_register_pytree_family": HAS_FAMILY,
+        "baseline": args.baseline,
+        "mode": "quick" if args.quick else "full",
+        "rounds": args.rounds,
+        "block_time_s": args.block_time,
+        "blocks_per_round": args.blocks,
+        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+    }
+    if args.baseline:
+        h["baseline_sha256"] = _sha256(args.baseline)
+        h["patched_source_identical_to_baseline"] = _sha256(pytree.__file__) == h["baseline_sha256"]
+    return h
+
+
+def plot(rows: list[dict[str, Any]], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"--plot: matplotlib is not installed (pip install matplotlib); {path} not written")
+        return
+    ops = ["tree_flatten", "tree_unflatten", "tree_map", "tree_leaves"]
+    fig, axes = plt.subplots(1, len(ops), figsize=(4 * len(ops), 3.6), squeeze=False)
+    for ax, op in zip(axes[0], ops):
+        pts = sorted(
+            (r["leaves"], r) for r in rows if r["case"].startswith("list_") and r["op"] == op
+        )
+        for impl in ("stock", "patched", "cxx"):
+            xs = [n for n, r in pts if impl in r["median_us"]]
+            ys = [r["median_us"][impl] for n, r in pts if impl in r["median_us"]]
+            if xs:
+                ax.loglog(xs, ys, marker="o", label=impl)
+        ax.set_title(f"{op}, flat list")
+        ax.set_xlabel("N leaves")
+        ax.set_ylabel("median µs per call")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot written to {path}")
+
+
+# ---------------------------------------------------------------------------
+# main
+# ---------------------------------------------------------------------------
+
+
+def build_groups(args: argparse.Namespace, impls: dict[str, Any]) -> list[Group]:
+    stock = impls.get("stock")
+    groups: list[Group] = []
+    list_ns = (10, 1000) if args.quick else (10, 100, 1000, 10000)
+    dict_ns = (100,) if args.quick else (10, 100, 1000)
+    # --quick: the (ms-long, noisy) treespec (de)serialization only on the small cases
+    big_ops = tuple(op for op in OPS if not op.startswith("treespec_")) if args.quick else OPS
+    for n in list_ns:
+        groups.append(Group(f"list_{n}", n, std_variants(impls, case_list(n)), OPS if n <= 100 else big_ops))
+    for n in dict_ns:
+        groups.append(Group(f"dict_{n}", n, std_variants(impls, case_dict(n)), big_ops))
+    groups.append(Group("nested_100x{a,b:(2),c:[3]}", 600, std_variants(impls, case_nested()), big_ops))
+    if stock is not None:
+        register_exact(stock, HFLikeOutputExact)
+    register_exact(pytree, HFLikeOutputExact)  # also registers with _cxx_pytree
+    groups.append(build_hf_like(impls))
+    if not args.quick:
+        groups.extend(build_transformers(impls, stock))
+    groups.append(Group("deep_chain_200", 1, std_variants(impls, case_deep(200)), big_ops))
+    groups.append(
+        Group("single_leaf", 1, std_variants(impls, torch.zeros(())), ("tree_is_leaf", "tree_flatten", "tree_map"))
+    )
+    if args.cases:
+        import re
+
+        groups = [g for g in groups if re.search(args.cases, g.case)]
+    return groups
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--baseline", metavar="FILE", help="a stock torch/utils/_pytree.py (v2.13.0)")
+    parser.add_argument("--quick", action="store_true", help="CI smoke: few cases, small N (< 60 s)")
+    parser.add_argument("--check", type=float, metavar="RATIO",
+                        help="exit 1 listing every case whose paired patched/stock ratio > RATIO")
+    parser.add_argument("--json", metavar="PATH", help="write all results as JSON")
+    parser.add_argument("--plot", metavar="PATH", help="write a PNG of time vs N (needs matplotlib)")
+    parser.add_argument("--rounds", type=int, help="round-robin rounds per (case, op) (default 40, quick 10)")
+    parser.add_argument("--block-time", type=float, default=0.001,
+                        help="target duration of one timed block, s (default 0.001)")
+    parser.add_argument("--blocks", type=int, default=5,
+                        help="blocks per implementation per round; the round value is the fastest (default 5)")
+    parser.add_argument("--cases", metavar="REGEX", help="only run cases whose name matches")
+    parser.add_argument("--no-compare", action="store_true", help="do not print torch.utils.benchmark.Compare tables")
+    args = parser.parse_args(argv)
+    if args.check is not None and not args.baseline:
+        parser.error("--check needs --baseline (the ratios are patched/stock)")
+    args.rounds = args.rounds or (10 if args.quick else 40)
+
+    t_start = time.perf_counter()
+    impls: dict[str, Any] = {}
+    if args.baseline:
+        impls["stock"] = load_baseline(args.baseline)
+    impls["patched"] = pytree
+    if cxx_pytree is not None:
+        impls["cxx"] = cxx_pytree
+    header = machine_header(args)
+    print("# pytree microbenchmark")
+    for k, v in header.items():
+        print(f"- {k}: {v}")
+    if not HAS_FAMILY:
+        print("- note: torch.utils._pytree has no register_pytree_family; family cases skipped")
+
+    groups = build_groups(args, impls)
+    results: list[Result] = []
+    rows: list[dict[str, Any]] = []
+    for g in groups:
+        for op in g.ops:
+            res = run_group(g, op, args.rounds, args.block_time, args.blocks)
+            results.append(res)
+            rows.extend(rows_from_result(res, g.family_row))
+            print(f"  {g.case:<36} {op:<24} " + "  ".join(
+                f"{c}={_median(v) * 1e6:.2f}µs" for c, v in res.rounds.items()), flush=True)
+    if HAS_FAMILY and (not args.cases or "family" in args.cases):
+        for res in run_family_first_seen(impls, args.rounds, batch=20 if args.quick else 50):
+            results.append(res)
+            rows.extend(rows_from_result(res, None))
+        for res in run_family_registration(impls, args.rounds, reps=1 if args.quick else 3):
+            results.append(res)
+            rows.extend(rows_from_result(res, None))
+    header["loadavg_after"] = os.getloadavg() if hasattr(os, "getloadavg") else None
+    header["total_seconds"] = round(time.perf_counter() - t_start, 1)
+
+    if not args.no_compare:
+        ms = [m for res in results for ml in res.measurements.values() for m in ml]
+        if ms:
+            Compare(Measurement.merge(ms)).print()
+
+    print("\n## Results (µs per call: median over rounds of the fastest block per round; ratios paired per round)\n")
+    print(format_table(rows))
+    sc = scaling(rows)
+    if sc:
+        print("\n## Scaling, flat list: t(N=10000) / t(N=1000) (10 = linear)\n")
+        print("| op | impl | t(10k)/t(1k) | ns/leaf @1k | ns/leaf @10k |\n|---|---|---|---|---|")
+        for s in sc:
+            print(f"| {s['op']} | {s['impl']} | {s['t10k_over_t1k']:.2f} | {s['ns_per_leaf_1k']:.0f} | {s['ns_per_leaf_10k']:.0f} |")
+    fam = [r for r in rows if r.get("family_over_exact") is not None]
+    if fam:
+        print("\n## Family handler vs exact registration (patched python pytree, paired)\n")
+        print("| case | op | family/exact |\n|---|---|---|")
+        for r in fam:
+            print(f"| {r['case']} | {r['op']} | {r['family_over_exact']:.2f} |")
+    notes = dict.fromkeys((r["case"], r["note"]) for r in rows if r.get("note") and r.get("median_us"))
+    if notes:
+        print("\nNotes:")
+        for case, note in notes:
+            print(f"- {case}: {note}")
+    skipped = [(r["case"], r["op"], r["skipped"]) for r in rows if r.get("skipped")]
+    if skipped:
+        print("\nNot timed (n/a):")
+        for case, op, why in skipped:
+            print(f"- {case} / {op}: {why}")
+    print(f"\nloadavg after: {header['loadavg_after']}; total {header['total_seconds']} s")
+
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"header": header, "rows": rows, "scaling": sc}, f, indent=1, default=str)
+        print(f"JSON written to {args.json}")
+    if args.plot:
+        plot(rows, args.plot)
+
+    if args.check is not None:
+        bad = [
+            r for r in rows
+            if r.get("gated", True) and r.get("patched_over_stock") is not None
+            and r["patched_over_stock"] > args.check
+        ]
+        if bad:
+            print(f"\nCHECK FAILED: {len(bad)} case(s) with patched/stock > {args.check}:")
+            for r in bad:
+                print(f"  {r['case']} / {r['op']}: {r['patched_over_stock']:.3f}")
+            return 1
+        print(f"\nCHECK OK: every gated patched/stock ratio <= {args.check}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
