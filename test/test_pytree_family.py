@@ -654,6 +654,29 @@ class TestPytreeFamilySpecs(FamilyTestCase):
         self.assertEqual(result.stdout.strip(), "ok")
 
     @pytree_impls
+    def test_is_leaf_called_once_per_node_for_new_subclass(self, pytree: Any) -> None:
+        # Regression test (found by test_pytree_hypothesis.py): the C++ pytree
+        # used to flatten again after registering a family member it had just
+        # met, calling is_leaf a second time on the nodes before it.
+        @dataclasses.dataclass
+        class Base:
+            a: Any = None
+
+        self.register_family(Base)
+
+        @dataclasses.dataclass
+        class Fresh(Base):
+            b: Any = None
+
+        calls: list[Any] = []
+        tree = [Fresh(1, 2)]
+        leaves, _ = pytree.tree_flatten(
+            tree, is_leaf=lambda x: calls.append(x) or False
+        )
+        self.assertEqual(leaves, [1, 2])
+        self.assertEqual(calls, [tree, tree[0], 1, 2])
+
+    @pytree_impls
     def test_is_leaf_callback(self, pytree: Any) -> None:
         self.register_family(PointBase)
         obj = [Point3(1, 2, 3), PointBase(4)]
