@@ -1,0 +1,19 @@
+from setuptools import setup
+
+setup(
+    name="torch_patch",
+    version="0.1.0",
+    description="Pytree families for PyTorch 2.13.0, shipped as a git patch series, and the torch-patch tool",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    packages=["torch_patch"],
+    package_data={"torch_patch": ["patches/series", "patches/*.patch"]},
+    include_package_data=False,
+    python_requires=">=3.10",
+    install_requires=["torch==2.13.0"],
+    extras_require={
+        "test": ["pytest", "expecttest", "hypothesis", "transformers", "optree", "numpy"],
+        "bench": ["matplotlib"],
+    },
+    entry_points={"console_scripts": ["torch-patch = torch_patch.cli:main"]},
+)
