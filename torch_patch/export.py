@@ -1,0 +1,118 @@
+"""`torch-patch export OUTDIR`: the upstream-ready series (library patches + tests + benchmarks).
+
+A throw-away stand-in checkout holding the stock files the series touches is committed as
+v2.13.0, the library series is `git am`-ed, then one commit adds this repo's upstream tests
+(``test/**`` except ``test/torch_patch/``) and one adds ``benchmarks/**``.  Everything after
+the base is written with the byte-stable ``git format-patch`` options of ``dev --export``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import List, Optional
+
+from .core import (EXPECTED_TORCH_VERSION, PATCHES_DIR, Log, TorchPatchError, _print, check_base,
+                   git_env, load_record, load_series, require_git, resolve_target, run_git,
+                   stock_file)
+from .dev import BASE_MESSAGE, BASE_TAG, FIXED_IDENTITY, _git_commit_all, format_patches, git_am
+from .upstream import BENCHMARKS_COMMIT_MESSAGE, TESTS_COMMIT_MESSAGE
+
+TOOL_TESTS = "test/torch_patch/"
+_SKIP_PARTS = {"__pycache__", ".pytest_cache", ".hypothesis", ".mypy_cache"}
+
+
+def default_repo() -> Path:
+    repo = PATCHES_DIR.parent.parent
+    if not ((repo / "setup.py").is_file() and (repo / "test").is_dir()):
+        raise TorchPatchError(f"export needs a checkout of the torch_patch repository (its test/ and "
+                              f"benchmarks/); none next to {PATCHES_DIR.parent}: pass --repo DIR")
+    return repo
+
+
+def repo_files(repo: Path, top: str) -> List[str]:
+    """Files under ``top`` (tracked or untracked but not ignored), as repo-relative posix paths."""
+    if not (repo / top).is_dir():
+        return []
+    if (repo / ".git").exists():
+        proc = run_git(["ls-files", "-z", "--cached", "--others", "--exclude-standard", "--", top], repo)
+        files = [f for f in proc.stdout.decode().split("\0") if f and (repo / f).is_file()]
+    else:
+        files = [p.relative_to(repo).as_posix() for p in (repo / top).rglob("*") if p.is_file()]
+    return sorted(f for f in set(files)
+                  if not _SKIP_PARTS.intersection(f.split("/")) and not f.endswith((".pyc", ".pyo")))
+
+
+def _test_plan(files: List[str], kind: str) -> str:
+    lines = []
+    for f in files:
+        name = f.rsplit("/", 1)[-1]
+        if f.endswith(".py") and (kind == "benchmarks" or name.startswith("test_")):
+            lines.append(f"    python {f}")
+    return "\n".join(lines) if lines else "    (no runnable files)"
+
+
+def export(outdir: os.PathLike, *, force: bool = False, series_dir: Optional[os.PathLike] = None,
+           repo: Optional[os.PathLike] = None, source: Optional[os.PathLike] = None,
+           log: Log = _print) -> List[str]:
+    """Write the upstream series into OUTDIR (patch files + ``series``).  Returns the names."""
+    outdir = Path(outdir).expanduser().resolve()
+    if outdir.exists() and any(outdir.iterdir()) and not force:
+        raise TorchPatchError(f"{outdir} exists and is not empty; choose a new directory or pass --force")
+    require_git()
+    series = load_series(series_dir)
+    repo = Path(repo).resolve() if repo is not None else default_repo()
+    test_files = [f for f in repo_files(repo, "test") if not f.startswith(TOOL_TESTS)]
+    bench_files = repo_files(repo, "benchmarks")
+    src = resolve_target(source, require_venv=False)
+    check_base(src)
+    record = load_record(src.root)
+    with tempfile.TemporaryDirectory(prefix="torch-patch-export-") as tmp:
+        work = Path(tmp) / "pytorch"
+        work.mkdir()
+        for rel in series.files:
+            stock = stock_file(src, rel, record)
+            if stock is not None:
+                (work / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(stock, work / rel)
+        env = git_env(FIXED_IDENTITY)
+        run_git(["-c", "init.defaultBranch=main", "init", "-q"], work, env=env)
+        (work / "README").write_text(f"stand-in for pytorch {BASE_TAG}: only the files the series touches\n")
+        _git_commit_all(work, BASE_MESSAGE)
+        run_git(["tag", BASE_TAG], work, env=env)
+        git_am(work, [p.path for p in series.patches])
+        # the added commits carry the identity and date of the last library commit (stable bytes)
+        ident = run_git(["log", "-1", "--format=%an%n%ae%n%aI"], work, env=env).stdout.decode().split("\n")
+        identity = dict(FIXED_IDENTITY)
+        if series.patches:
+            identity.update(GIT_AUTHOR_NAME=ident[0], GIT_AUTHOR_EMAIL=ident[1], GIT_AUTHOR_DATE=ident[2],
+                            GIT_COMMITTER_NAME=ident[0], GIT_COMMITTER_EMAIL=ident[1],
+                            GIT_COMMITTER_DATE=ident[2])
+        for files, template, kind in ((test_files, TESTS_COMMIT_MESSAGE, "test"),
+                                      (bench_files, BENCHMARKS_COMMIT_MESSAGE, "benchmarks")):
+            if not files:
+                log(f"note: no files under {repo / kind}; no {kind} commit")
+                continue
+            for f in files:
+                dst = work / f
+                if dst.exists():
+                    raise TorchPatchError(f"{f} would overwrite a file of the library series; rename it")
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(repo / f, dst)
+                shutil.copymode(repo / f, dst)
+            run_git(["add", "-f", "--", *files], work, env=env)
+            run_git(["commit", "-q", "--no-verify", "-m", template.format(test_plan=_test_plan(files, kind))],
+                    work, env=git_env(identity))
+        outdir.mkdir(parents=True, exist_ok=True)
+        if force:
+            for old in list(outdir.glob("*.patch")) + [outdir / "series"]:
+                old.unlink(missing_ok=True)
+        names = [p.name for p in format_patches(work, f"{BASE_TAG}..HEAD", outdir)]
+    (outdir / "series").write_text("".join(f"{n}\n" for n in names), encoding="utf-8")
+    log(f"exported {len(names)} patch(es) to {outdir} ({len(series.patches)} library, "
+        f"{len(test_files)} test file(s), {len(bench_files)} benchmark file(s))")
+    log(f"  on a PyTorch {BASE_TAG} checkout:  git am {outdir}/*.patch")
+    return names
