@@ -1,0 +1,32 @@
+"""Test matrix: `nox` runs both sessions (see README.md, command 2).
+
+Each session installs this package with its test extras into a fresh venv (.nox/<session>),
+applies the patch series to that venv's torch with `torch-patch apply` (a no-op when the
+session is reused), then runs the whole suite.  Arguments after `--` replace the default `test`:
+`nox -s tests-latest -- test/test_pytree_family.py -x`.
+"""
+
+import nox
+
+nox.options.default_venv_backend = "venv"  # never uv: it would fetch CUDA torch wheels
+nox.options.sessions = ["tests-latest", "tests-hf431"]
+nox.options.error_on_missing_interpreters = True
+
+
+def _run_suite(session: nox.Session, *extra_requirements: str) -> None:
+    session.install("-e", ".[test]", *extra_requirements)
+    session.run("torch-patch", "apply")
+    session.run("torch-patch", "status")
+    session.run("python", "-m", "pytest", "-q", *(session.posargs or ["test"]))
+
+
+@nox.session(name="tests-latest")
+def tests_latest(session: nox.Session) -> None:
+    """Latest transformers (and numpy 2)."""
+    _run_suite(session)
+
+
+@nox.session(name="tests-hf431")
+def tests_hf431(session: nox.Session) -> None:
+    """transformers 4.31.0, the oldest supported release (needs numpy<2 and its tokenizers)."""
+    _run_suite(session, "transformers==4.31.0", "numpy<2", "tokenizers==0.13.3")
