@@ -1,0 +1,126 @@
+"""Dynamo compile time of code that calls the Python pytree: base vs head torch.
+
+Dynamo inlines ``torch.utils._pytree`` (with special cases for ``_get_node_type``
+and ``tree_is_leaf``), so a change to the pytree hot path also changes how long
+``torch.compile`` takes to trace code that uses it. Two torch builds cannot be
+imported in one process, so this script runs each build in child processes,
+alternating between them, and reports the median compile time of each and the
+paired ratio.
+
+Each implementation is given as ``NAME=PYTHON`` or ``NAME=PYTHON:PYTHONPATH``::
+
+    python benchmarks/pytree/compile_time_bench.py \\
+        --impl base=/path/to/base-venv/bin/python \\
+        --impl head=/path/to/head-venv/bin/python
+
+    # a dev tree that shadows the venv's torch through PYTHONPATH
+    python benchmarks/pytree/compile_time_bench.py \\
+        --impl stock=.venv/bin/python --impl patched=.venv/bin/python:$HOME/torch-dev
+
+The first implementation is the baseline of the ratios. The measured function
+maps over a pytree of 100 tensors (``tree_map``) and over a list of 100 tensors
+(``tree_flatten`` / ``tree_unflatten``); every measurement resets Dynamo first
+and compiles with ``backend="eager"``, so only tracing time is measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+
+def _child(repeats: int) -> None:
+    import torch
+    import torch.utils._pytree as pytree
+
+    def fn(tree):
+        mapped = pytree.tree_map(lambda t: t + 1, tree)
+        leaves, spec = pytree.tree_flatten(mapped["list"])
+        return mapped, pytree.tree_unflatten([x * 2 for x in leaves], spec)
+
+    tree = {
+        "list": [torch.ones(2) for _ in range(50)],
+        "nested": [{"a": torch.ones(2), "b": (torch.ones(2), torch.ones(2))} for _ in range(16)],
+        "tuple": tuple(torch.ones(2) for _ in range(2)),
+    }
+    assert len(pytree.tree_leaves(tree)) == 100
+    times = []
+    for _ in range(repeats + 1):  # the first compile also warms up imports
+        torch._dynamo.reset()
+        compiled = torch.compile(fn, backend="eager", fullgraph=True)
+        start = time.perf_counter()
+        compiled(tree)
+        times.append(time.perf_counter() - start)
+    print(json.dumps({"times": times[1:], "torch": torch.__file__}))
+
+
+def _run(python: str, pythonpath: str | None, repeats: int) -> dict:
+    env = dict(os.environ)
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
+    else:
+        env.pop("PYTHONPATH", None)
+    out = subprocess.run(
+        [python, os.path.abspath(__file__), "--child", "--repeats", str(repeats)],
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--impl",
+        action="append",
+        default=[],
+        metavar="NAME=PYTHON[:PYTHONPATH]",
+        help="an implementation to time (repeat; the first is the baseline)",
+    )
+    parser.add_argument("--rounds", type=int, default=5, help="child processes per implementation")
+    parser.add_argument("--repeats", type=int, default=5, help="compiles per child process")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        _child(args.repeats)
+        return 0
+    if len(args.impl) < 2:
+        parser.error("give at least two --impl NAME=PYTHON[:PYTHONPATH]")
+    impls = []
+    for spec in args.impl:
+        name, sep, rest = spec.partition("=")
+        if not sep or not rest:
+            parser.error(f"--impl {spec!r}: expected NAME=PYTHON[:PYTHONPATH]")
+        python, _, pythonpath = rest.partition(":")
+        impls.append((name, python, pythonpath or None))
+
+    medians: dict[str, list[float]] = {name: [] for name, _, _ in impls}
+    for r in range(args.rounds):
+        order = impls if r % 2 == 0 else impls[::-1]
+        for name, python, pythonpath in order:
+            result = _run(python, pythonpath, args.repeats)
+            medians[name].append(statistics.median(result["times"]))
+            print(
+                f"round {r + 1}/{args.rounds} {name}: "
+                f"{medians[name][-1] * 1e3:.1f} ms ({result['torch']})",
+                file=sys.stderr,
+            )
+    base = impls[0][0]
+    print(f"{'impl':<12} {'median compile ms':>18} {'ratio to ' + base:>14}")
+    for name, _, _ in impls:
+        paired = statistics.median(
+            a / b for a, b in zip(medians[name], medians[base], strict=True)
+        )
+        print(f"{name:<12} {statistics.median(medians[name]) * 1e3:>18.1f} {paired:>14.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
