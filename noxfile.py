@@ -13,20 +13,36 @@ nox.options.sessions = ["tests-latest", "tests-hf431"]
 nox.options.error_on_missing_interpreters = True
 
 
-def _run_suite(session: nox.Session, *extra_requirements: str) -> None:
+def _run_suite(
+    session: nox.Session, *extra_requirements: str, hypothesis_profile: str
+) -> None:
     session.install("-e", ".[test]", *extra_requirements)
     session.run("torch-patch", "apply")
     session.run("torch-patch", "status")
-    session.run("python", "-m", "pytest", "-q", *(session.posargs or ["test"]))
+    env = {
+        # test/test_pytree_hypothesis.py: see the profiles in its docstring
+        "PYTORCH_PYTREE_HYPOTHESIS_PROFILE": hypothesis_profile,
+        # keep hypothesis' cache out of the work tree
+        "HYPOTHESIS_STORAGE_DIRECTORY": session.create_tmp(),
+    }
+    session.run(
+        "python", "-m", "pytest", "-q", *(session.posargs or ["test"]), env=env
+    )
 
 
 @nox.session(name="tests-latest")
 def tests_latest(session: nox.Session) -> None:
-    """Latest transformers (and numpy 2)."""
-    _run_suite(session)
+    """Latest transformers (and numpy 2); the full CI hypothesis profile (>= 100,000 examples)."""
+    _run_suite(session, hypothesis_profile="pytree-ci")
 
 
 @nox.session(name="tests-hf431")
 def tests_hf431(session: nox.Session) -> None:
     """transformers 4.31.0, the oldest supported release (needs numpy<2 and its tokenizers)."""
-    _run_suite(session, "transformers==4.31.0", "numpy<2", "tokenizers==0.13.3")
+    _run_suite(
+        session,
+        "transformers==4.31.0",
+        "numpy<2",
+        "tokenizers==0.13.3",
+        hypothesis_profile="pytree-quick",
+    )
