@@ -1,0 +1,549 @@
+# Owner(s): ["oncall: export"]
+"""End-to-end tests: real (tiny, random-weight) HuggingFace transformers models through torch.export,
+torch._dynamo.export and torch.compile, relying on the built-in lazy pytree families for
+``transformers.utils.generic:ModelOutput`` and ``transformers.cache_utils:Cache``.
+
+Runs against whatever transformers is installed; CI runs it with transformers 4.31.0 (no pytree self-registration,
+no ``cache_utils``, ``past_key_values`` are tuples) and with the latest 5.x (ModelOutput subclasses register
+themselves, GPT-2/T5 outputs carry ``DynamicCache``/``EncoderDecoderCache`` objects). Models are built from configs,
+nothing is downloaded.
+"""
+
+import copy
+import dataclasses
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+import unittest
+import warnings
+
+import torch
+import torch.utils._pytree as py_pytree
+from torch.testing._internal.common_utils import (
+    TestCase,
+    instantiate_parametrized_tests,
+    parametrize,
+    run_tests,
+    subtest,
+)
+
+try:
+    import torch.utils._cxx_pytree as cxx_pytree
+except ImportError:
+    cxx_pytree = None
+
+try:
+    import transformers
+    from transformers.utils import ModelOutput
+
+    HAS_TRANSFORMERS = True
+except ImportError:
+    HAS_TRANSFORMERS = False
+
+if HAS_TRANSFORMERS:
+    # transformers 4.31.0 has neither; both exist in transformers 5.x.
+    HAS_CACHE_UTILS = importlib.util.find_spec("transformers.cache_utils") is not None
+    # ModelOutput subclasses registering themselves in __init_subclass__ (absent in transformers 4.31.0).
+    HAS_SELF_REGISTRATION = hasattr(transformers.utils.generic, "_model_output_flatten")
+else:
+    HAS_CACHE_UTILS = HAS_SELF_REGISTRATION = False
+
+pytree_params = [subtest(py_pytree, name="py")]
+if cxx_pytree is not None:
+    pytree_params.append(subtest(cxx_pytree, name="cxx"))
+
+VOCAB = 99
+
+
+def _subprocess_env():
+    env = os.environ.copy()
+    # the child must import the same torch (PYTHONPATH may point at a patched tree) and must stay offline
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    env["HF_HUB_OFFLINE"] = "1"
+    env["TRANSFORMERS_OFFLINE"] = "1"
+    env["TRANSFORMERS_VERBOSITY"] = "error"
+    return env
+
+
+def _run_python(code, *argv, timeout=300):
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *argv],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=_subprocess_env(),
+        cwd=tempfile.gettempdir(),
+        timeout=timeout,
+    )
+    if proc.returncode != 0:
+        raise AssertionError(f"subprocess failed ({proc.returncode}):\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
+    # the last line of stdout is the JSON result
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+class _Call(torch.nn.Module):
+    """Calls ``model`` with positional tensors bound to ``names`` plus constant keyword arguments."""
+
+    def __init__(self, model, names, **constant_kwargs):
+        super().__init__()
+        self.model = model
+        self.names = names
+        self.constant_kwargs = constant_kwargs
+
+    def forward(self, *tensors):
+        kwargs = dict(zip(self.names, tensors))
+        return self.model(**kwargs, **self.constant_kwargs)
+
+
+def _bert():
+    config = transformers.BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=37,
+        pad_token_id=0,
+    )
+    model = transformers.BertModel(config).eval()
+    input_ids = torch.randint(1, VOCAB, (2, 7))
+    attention_mask = torch.ones(2, 7, dtype=torch.long)
+    attention_mask[1, 5:] = 0
+    return _Call(model, ["input_ids", "attention_mask"], return_dict=True), (input_ids, attention_mask)
+
+
+def _gpt2():
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1
+    )
+    model = transformers.GPT2LMHeadModel(config).eval()
+    input_ids = torch.randint(0, VOCAB, (2, 7))
+    return _Call(model, ["input_ids"], use_cache=True, return_dict=True), (input_ids,)
+
+
+def _t5():
+    config = transformers.T5Config(
+        d_model=32, d_ff=37, num_layers=2, num_heads=2, vocab_size=VOCAB, d_kv=8, decoder_start_token_id=0
+    )
+    model = transformers.T5ForConditionalGeneration(config).eval()
+    input_ids = torch.randint(1, VOCAB, (2, 7))
+    decoder_input_ids = torch.randint(1, VOCAB, (2, 4))
+    return (
+        _Call(model, ["input_ids", "decoder_input_ids"], use_cache=True, return_dict=True),
+        (input_ids, decoder_input_ids),
+    )
+
+
+MODELS = {"bert": _bert, "gpt2": _gpt2, "t5": _t5}
+
+
+def _build(name):
+    torch.manual_seed(0)
+    return MODELS[name]()
+
+
+def _run_export_strict(mod, args):
+    return torch.export.export(mod, args, strict=True).module()(*args)
+
+
+def _run_export_nonstrict(mod, args):
+    return torch.export.export(mod, args, strict=False).module()(*args)
+
+
+def _run_dynamo_export(mod, args):
+    graph_module, _guards = torch._dynamo.export(mod)(*args)
+    return graph_module(*args)
+
+
+def _run_compile(mod, args):
+    return torch.compile(mod, fullgraph=True, backend="eager")(*args)
+
+
+MODES = {
+    "export_strict": _run_export_strict,
+    "export_nonstrict": _run_export_nonstrict,
+    "dynamo_export": _run_dynamo_export,
+    "compile": _run_compile,
+}
+
+
+def _cache_leaf_count(model_name):
+    """Number of tensors in the model's cache / past_key_values for the tiny configs above (2 layers)."""
+    return {"bert": 0, "gpt2": 2 * 2, "t5": 2 * 4}[model_name]
+
+
+@unittest.skipIf(not HAS_TRANSFORMERS, "transformers is not installed")
+class TestExportHFModelOutput(TestCase):
+    def setUp(self):
+        super().setUp()
+        torch._dynamo.reset()
+
+    def assertSameOutput(self, expected, actual):
+        self.assertIsInstance(expected, ModelOutput)
+        self.assertIs(type(actual), type(expected))
+        self.assertEqual(list(actual.keys()), list(expected.keys()))
+        expected_leaves, expected_spec = py_pytree.tree_flatten(expected)
+        actual_leaves, actual_spec = py_pytree.tree_flatten(actual)
+        # nested caches / past_key_values are flattened too: every leaf is a tensor
+        for leaf in expected_leaves + actual_leaves:
+            self.assertIsInstance(leaf, torch.Tensor)
+        self.assertEqual(actual_spec, expected_spec)
+        self.assertEqual(len(actual_leaves), len(expected_leaves))
+        for a, e in zip(actual_leaves, expected_leaves):
+            self.assertEqual(a, e, atol=1e-5, rtol=1e-5)
+
+    @parametrize("model_name", list(MODELS))
+    @parametrize("mode", list(MODES))
+    def test_model_output_preserved(self, model_name, mode):
+        mod, args = _build(model_name)
+        with torch.no_grad():
+            expected = mod(*args)
+            with warnings.catch_warnings():
+                # tracing-time deprecation chatter from transformers / export is not what is tested here
+                warnings.simplefilter("ignore")
+                actual = MODES[mode](mod, args)
+        self.assertSameOutput(expected, actual)
+        # the cache (tuples of tensors in 4.31, a Cache object in 5.x) is flattened into its tensors too
+        tensor_fields = len(expected) - (0 if model_name == "bert" else 1)
+        self.assertEqual(py_pytree.tree_flatten(expected)[1].num_leaves, tensor_fields + _cache_leaf_count(model_name))
+
+    @parametrize("model_name", list(MODELS))
+    def test_save_load_fresh_process(self, model_name):
+        mod, args = _build(model_name)
+        with torch.no_grad():
+            expected = mod(*args)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                ep = torch.export.export(mod, args, strict=False)
+        expected_leaves, expected_spec = py_pytree.tree_flatten(expected)
+        with tempfile.TemporaryDirectory() as tmp:
+            ep_path = os.path.join(tmp, "model.pt2")
+            args_path = os.path.join(tmp, "args.pt")
+            leaves_path = os.path.join(tmp, "leaves.pt")
+            torch.export.save(ep, ep_path)
+            torch.save(args, args_path)
+            result = _run_python(
+                """
+                import json, sys
+                import torch, transformers
+
+                assert "transformers.modeling_outputs" not in sys.modules
+                ep = torch.export.load(sys.argv[1])
+                out = ep.module()(*torch.load(sys.argv[2]))
+
+                import torch.utils._pytree as pytree
+                leaves, spec = pytree.tree_flatten(out)
+                torch.save(leaves, sys.argv[3])
+                print(json.dumps({
+                    "type": f"{type(out).__module__}.{type(out).__qualname__}",
+                    "keys": list(out.keys()),
+                    "spec": pytree.treespec_dumps(spec),
+                }))
+                """,
+                ep_path,
+                args_path,
+                leaves_path,
+            )
+            leaves = torch.load(leaves_path)
+        self.assertEqual(result["type"], f"{type(expected).__module__}.{type(expected).__qualname__}")
+        self.assertEqual(result["keys"], list(expected.keys()))
+        self.assertEqual(py_pytree.treespec_loads(result["spec"]), expected_spec)
+        self.assertEqual(len(leaves), len(expected_leaves))
+        for a, e in zip(leaves, expected_leaves):
+            self.assertEqual(a, e, atol=1e-5, rtol=1e-5)
+
+    @parametrize("pytree", pytree_params)
+    def test_model_output_round_trip(self, pytree):
+        from transformers.modeling_outputs import BaseModelOutputWithPast
+
+        hidden = torch.randn(2, 3)
+        past = ((torch.randn(1), torch.randn(1)),)
+        out = BaseModelOutputWithPast(last_hidden_state=hidden, past_key_values=past)
+        # None fields are not keys; the tuple past_key_values is flattened through
+        leaves, spec = pytree.tree_flatten(out)
+        self.assertEqual(len(leaves), 3)
+        self.assertIs(leaves[0], hidden)
+        self.assertIs(spec.type, BaseModelOutputWithPast)
+        rebuilt = pytree.tree_unflatten(leaves, spec)
+        self.assertIs(type(rebuilt), BaseModelOutputWithPast)
+        self.assertEqual(list(rebuilt.keys()), list(out.keys()))
+        self.assertIsNone(rebuilt.attentions)
+        doubled = pytree.tree_map(lambda t: t * 2, out)
+        self.assertIs(type(doubled), BaseModelOutputWithPast)
+        self.assertEqual(doubled.last_hidden_state, hidden * 2)
+
+    @parametrize("pytree", pytree_params)
+    def test_user_model_output_subclass(self, pytree):
+        # defined after transformers (and torch) were imported and after the family was registered
+        @dataclasses.dataclass
+        class MyOutput(ModelOutput):
+            logits: torch.Tensor | None = None
+            loss: torch.Tensor | None = None
+            extra: tuple | None = None
+
+        logits, e0, e1 = torch.randn(2, 4), torch.randn(1), torch.randn(2)
+        out = MyOutput(logits=logits, extra=(e0, e1))
+        leaves, spec = pytree.tree_flatten(out)
+        self.assertEqual(len(leaves), 3)
+        for got, want in zip(leaves, [logits, e0, e1]):
+            self.assertIs(got, want)
+        rebuilt = pytree.tree_unflatten(leaves, spec)
+        self.assertIs(type(rebuilt), MyOutput)
+        self.assertEqual(list(rebuilt.keys()), ["logits", "extra"])
+        self.assertIsNone(rebuilt.loss)
+
+        class Head(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = torch.nn.Linear(4, 4)
+
+            def forward(self, x):
+                y = self.lin(x)
+                return MyOutput(logits=y, extra=(y.sum(), y * 2))
+
+        head = Head()
+        x = torch.randn(3, 4)
+        expected = head(x)
+        for strict in (True, False):
+            with self.subTest(strict=strict):
+                actual = torch.export.export(head, (x,), strict=strict).module()(x)
+                self.assertIs(type(actual), MyOutput)
+                self.assertEqual(list(actual.keys()), ["logits", "extra"])
+                self.assertEqual(actual.logits, expected.logits)
+                self.assertEqual(actual.extra, expected.extra)
+
+    @unittest.skipIf(
+        not HAS_SELF_REGISTRATION,
+        "transformers 4.31.0 does not register ModelOutput subclasses as pytree nodes itself",
+    )
+    def test_transformers_own_registration_wins(self):
+        from transformers.modeling_outputs import (
+            BaseModelOutputWithPoolingAndCrossAttentions,
+            CausalLMOutputWithCrossAttentions,
+            Seq2SeqLMOutput,
+        )
+        from transformers.utils import generic
+
+        @dataclasses.dataclass
+        class LateOutput(ModelOutput):
+            logits: torch.Tensor | None = None
+
+        for cls in (
+            BaseModelOutputWithPoolingAndCrossAttentions,
+            CausalLMOutputWithCrossAttentions,
+            Seq2SeqLMOutput,
+            LateOutput,
+        ):
+            with self.subTest(cls=cls.__name__):
+                node = py_pytree.SUPPORTED_NODES[cls]
+                self.assertIs(node.flatten_fn, generic._model_output_flatten)
+                self.assertIs(node.unflatten_fn.func, generic._model_output_unflatten)
+                self.assertIs(node.unflatten_fn.keywords["output_type"], cls)
+                self.assertEqual(
+                    py_pytree.SUPPORTED_SERIALIZED_TYPES[cls].serialized_type_name,
+                    f"{cls.__module__}.{cls.__name__}",
+                )
+
+    @parametrize("import_order", ["torch_first", "transformers_first"])
+    def test_import_and_build_emit_no_warnings(self, import_order):
+        first, second = ("torch", "transformers") if import_order == "torch_first" else ("transformers", "torch")
+        result = _run_python(
+            f"""
+            import json, logging, warnings
+
+            records = []
+
+            class Collect(logging.Handler):
+                def emit(self, record):
+                    records.append(f"{{record.name}}: {{record.getMessage()}}")
+
+            logging.getLogger().addHandler(Collect(level=logging.WARNING))
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                import {first}
+                import {second}
+                import torch.utils._pytree as pytree
+                from transformers import BertConfig, BertModel, GPT2Config, GPT2LMHeadModel
+
+                torch.manual_seed(0)
+                bert = BertModel(BertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2,
+                                            num_attention_heads=2, intermediate_size=37)).eval()
+                gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=99,
+                                                  bos_token_id=98, eos_token_id=98)).eval()
+                ids = torch.randint(1, 99, (2, 5))
+                with torch.no_grad():
+                    outs = [bert(ids), gpt2(ids, use_cache=True)]
+                leaves = [pytree.tree_flatten(o)[0] for o in outs]
+            print(json.dumps({{
+                "warnings": [f"{{w.category.__name__}}: {{w.message}}" for w in caught],
+                "logs": records,
+                "leaf_types": sorted({{type(x).__name__ for ls in leaves for x in ls}}),
+            }}))
+            """
+        )
+        self.assertEqual(result["warnings"], [])
+        self.assertEqual(result["logs"], [])
+        self.assertEqual(result["leaf_types"], ["Tensor"])
+
+    def test_zero_cost_when_unused(self):
+        result = _run_python(
+            """
+            import dataclasses, importlib.util, json, sys
+            from collections import OrderedDict, namedtuple
+            import torch
+            import torch.utils._pytree as pytree
+
+            class MyDict(OrderedDict):
+                pass
+
+            @dataclasses.dataclass
+            class Plain:
+                x: torch.Tensor
+
+            Point = namedtuple("Point", "x y")
+            tree = {"a": [torch.ones(1), (2, None)], "b": MyDict(c=torch.zeros(1)), "p": Point(1, Plain(torch.ones(2)))}
+            leaves, spec = pytree.tree_flatten(tree)
+            pytree.tree_unflatten(leaves, spec)
+            pytree.tree_map(lambda v: v, tree)
+            pytree.tree_flatten_with_path(tree)
+            plain_spec = pytree.tree_flatten({"a": [torch.ones(1), (2, None)]})[1]
+            pytree.treespec_loads(pytree.treespec_dumps(plain_spec))
+            try:
+                import torch.utils._cxx_pytree as cxx_pytree
+            except ImportError:
+                pass
+            else:
+                cxx_pytree.tree_unflatten(*cxx_pytree.tree_flatten(tree))
+
+            class M(torch.nn.Module):
+                def forward(self, x):
+                    return {"y": x + 1, "z": [x * 2]}
+
+            torch.export.export(M(), (torch.ones(2),))
+            print(json.dumps({
+                "installed": importlib.util.find_spec("transformers") is not None,
+                "leaked": sorted(m for m in sys.modules if m.split(".")[0] in ("transformers", "diffusers")),
+                "leaf_types": [type(leaf).__name__ for leaf in leaves],
+            }))
+            """
+        )
+        self.assertTrue(result["installed"])  # the lazy hook had something it could have imported
+        self.assertEqual(result["leaked"], [])
+        # types that were not opted in keep their stock behaviour (OrderedDict subclass, dataclass are leaves)
+        self.assertEqual(result["leaf_types"], ["Tensor", "int", "NoneType", "MyDict", "int", "Plain"])
+
+
+@unittest.skipIf(
+    not HAS_CACHE_UTILS,
+    "transformers 4.31.0 has no transformers.cache_utils (past_key_values are tuples of tensors)",
+)
+class TestHFCacheFamily(TestCase):
+    def _gpt2_cache(self):
+        mod, (input_ids,) = _build("gpt2")
+        with torch.no_grad():
+            out = mod(input_ids)
+        self._cache_key = list(out.keys())[1]
+        return mod, input_ids, out[self._cache_key]
+
+    @parametrize("pytree", pytree_params)
+    def test_dynamic_cache_round_trip(self, pytree):
+        from transformers.cache_utils import DynamicCache
+
+        mod, input_ids, cache = self._gpt2_cache()
+        self.assertIsInstance(cache, DynamicCache)
+        leaves, spec = pytree.tree_flatten(cache)
+        expected = [t for layer in cache.layers for t in (layer.keys, layer.values)]
+        # the leaves are exactly the cached tensors, not copies (their order is the handler's choice)
+        self.assertEqual(sorted(map(id, leaves)), sorted(map(id, expected)))
+        rebuilt = pytree.tree_unflatten(leaves, spec)
+        self.assertIs(type(rebuilt), DynamicCache)
+        self.assertEqual(pytree.tree_flatten(rebuilt)[1], spec)
+        self.assertEqual(rebuilt.get_seq_length(), cache.get_seq_length())
+        # the rebuilt cache keeps working for the next decoding step ("cache" in 5.x, "past_key_values" before)
+        cache_kwarg = self._cache_key
+        step = input_ids[:, :1]
+        with torch.no_grad():
+            a = mod.model(step, **{cache_kwarg: pytree.tree_unflatten(leaves, spec)}, use_cache=True).logits
+            b = mod.model(step, **{cache_kwarg: cache}, use_cache=True).logits
+        self.assertEqual(a, b)
+
+    @parametrize("pytree", pytree_params)
+    def test_encoder_decoder_cache_round_trip(self, pytree):
+        from transformers.cache_utils import EncoderDecoderCache
+
+        mod, args = _build("t5")
+        with torch.no_grad():
+            out = mod(*args)
+        cache = out[list(out.keys())[1]]
+        self.assertIsInstance(cache, EncoderDecoderCache)
+        leaves, spec = pytree.tree_flatten(cache)
+        self.assertEqual(len(leaves), _cache_leaf_count("t5"))
+        self.assertTrue(all(isinstance(t, torch.Tensor) for t in leaves))
+        rebuilt = pytree.tree_unflatten(leaves, spec)
+        self.assertIs(type(rebuilt), EncoderDecoderCache)
+        self.assertIs(type(rebuilt.self_attention_cache), type(cache.self_attention_cache))
+        self.assertIs(type(rebuilt.cross_attention_cache), type(cache.cross_attention_cache))
+        self.assertEqual(rebuilt.is_updated, cache.is_updated)
+        self.assertEqual(rebuilt.get_seq_length(), cache.get_seq_length())
+        self.assertEqual(
+            py_pytree.treespec_loads(py_pytree.treespec_dumps(py_pytree.tree_flatten(cache)[1])),
+            py_pytree.tree_flatten(cache)[1],
+        )
+
+    @parametrize("strict", [True, False])
+    def test_export_with_cache_input(self, strict):
+        # the cache as an export *input*: flattened into placeholders, rebuilt inside the traced forward
+        mod, input_ids, cache = self._gpt2_cache()
+        cache_kwarg = self._cache_key
+
+        class Step(torch.nn.Module):
+            def __init__(self, model):
+                super().__init__()
+                self.model = model
+
+            def forward(self, input_ids, cache):
+                return self.model(input_ids, **{cache_kwarg: cache}, use_cache=True)
+
+        step = input_ids[:, :1]
+        with torch.no_grad():
+            expected = Step(mod.model)(step, copy.deepcopy(cache))
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                ep = torch.export.export(Step(mod.model), (step, copy.deepcopy(cache)), strict=strict)
+            actual = ep.module()(step, copy.deepcopy(cache))
+        # one placeholder per cache tensor, named after the key path
+        self.assertEqual(len(ep.graph_signature.user_inputs), 1 + _cache_leaf_count("gpt2"))
+        self.assertEqual(actual[cache_kwarg].get_seq_length(), input_ids.shape[1] + 1)
+        self.assertEqual(type(actual), type(expected))
+        expected_leaves, expected_spec = py_pytree.tree_flatten(expected)
+        actual_leaves, actual_spec = py_pytree.tree_flatten(actual)
+        self.assertEqual(actual_spec, expected_spec)
+        for a, e in zip(actual_leaves, expected_leaves, strict=True):
+            self.assertEqual(a, e, atol=1e-5, rtol=1e-5)
+
+    def test_static_cache_round_trip(self):
+        from transformers.cache_utils import StaticCache
+
+        mod, input_ids, _ = self._gpt2_cache()
+        cache = StaticCache(config=mod.model.config, max_cache_len=16)
+        with torch.no_grad():
+            mod.model(input_ids, **{self._cache_key: cache}, use_cache=True)
+        leaves, spec = py_pytree.tree_flatten(cache)
+        self.assertTrue(all(isinstance(t, torch.Tensor) for t in leaves))
+        rebuilt = py_pytree.tree_unflatten(leaves, spec)
+        self.assertIs(type(rebuilt), StaticCache)
+        self.assertEqual(int(rebuilt.get_seq_length()), input_ids.shape[1])
+        self.assertEqual(rebuilt.get_max_length(), 16)
+        for new, old in zip(rebuilt.layers, cache.layers):
+            self.assertIs(new.keys, old.keys)
+            self.assertIs(new.values, old.values)
+
+
+instantiate_parametrized_tests(TestExportHFModelOutput)
+instantiate_parametrized_tests(TestHFCacheFamily)
+
+if __name__ == "__main__":
+    run_tests()
