@@ -84,7 +84,7 @@ def _parser() -> argparse.ArgumentParser:
                        description="Write the library series plus one commit adding this repo's tests "
                                    "(test/** except test/torch_patch/) and one adding benchmarks/**, as "
                                    "`git format-patch` files and a `series`, to OUTDIR. On a PyTorch "
-                                   f"v{EXPECTED_TORCH_VERSION} checkout: git am OUTDIR/*.patch")
+                                   f"v{EXPECTED_TORCH_VERSION} checkout: git am --keep-non-patch OUTDIR/*.patch")
     e.add_argument("outdir", metavar="OUTDIR")
     e.add_argument("--force", action="store_true", help="write into a non-empty OUTDIR (replaces its patches)")
     e.add_argument("--repo", metavar="DIR", help="torch_patch repository checkout holding test/ and benchmarks/ "

@@ -56,11 +56,13 @@ def _git_commit_all(repo: Path, message: str, identity: Optional[Dict[str, str]]
 
 def git_am(repo: Path, patches: List[Path]) -> None:
     """`git am` patches with committer = fixed identity and committer date = author date, so the
-    resulting commit hashes only depend on the patches and the base."""
+    resulting commit hashes only depend on the patches and the base.  ``--keep-non-patch`` keeps a
+    subject prefix such as ``[pytree]`` (plain `git am` strips every leading ``[...]``), so that
+    exporting the commits again gives the same patch files."""
     env = git_env(FIXED_IDENTITY)
     for p in patches:
-        proc = run_git(["am", "-q", "--committer-date-is-author-date", "--keep-cr", str(p)], repo,
-                       env=env, check=False)
+        proc = run_git(["am", "-q", "--committer-date-is-author-date", "--keep-cr", "--keep-non-patch",
+                        str(p)], repo, env=env, check=False)
         if proc.returncode != 0:
             run_git(["am", "--abort"], repo, env=env, check=False)
             raise TorchPatchError(f"`git am {p.name}` failed in {repo}: "

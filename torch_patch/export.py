@@ -114,5 +114,5 @@ def export(outdir: os.PathLike, *, force: bool = False, series_dir: Optional[os.
     (outdir / "series").write_text("".join(f"{n}\n" for n in names), encoding="utf-8")
     log(f"exported {len(names)} patch(es) to {outdir} ({len(series.patches)} library, "
         f"{len(test_files)} test file(s), {len(bench_files)} benchmark file(s))")
-    log(f"  on a PyTorch {BASE_TAG} checkout:  git am {outdir}/*.patch")
+    log(f"  on a PyTorch {BASE_TAG} checkout:  git am --keep-non-patch {outdir}/*.patch")
     return names

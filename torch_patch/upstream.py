@@ -4,18 +4,33 @@
 """
 
 TESTS_COMMIT_MESSAGE = """\
-Add tests for pytree families (register_pytree_family)
+[pytree] Add tests for pytree families, HF model outputs and pytree invariants
 
-Add the tests for `register_pytree_family` in torch.utils._pytree and
-torch.utils._cxx_pytree: a registered base class makes the class and all of
-its present and future subclasses pytree nodes (mapping, dataclass and custom
-flatten/unflatten kinds), exact `register_pytree_node` registrations always
-win, lazy "module:Class" registrations resolve on import, key paths and
-treespec (de)serialization name the concrete subclass, and types that were
-not opted in behave exactly as before. The tests are parametrized over the
-python and the C++ pytree implementations, and include integration tests
-with transformers ModelOutput (tiny randomly initialised models, no
-downloads) that are skipped when transformers is not installed.
+test/test_pytree_family.py: `register_pytree_family` in torch.utils._pytree
+and torch.utils._cxx_pytree, parametrized over both: resolution order (exact
+registration > namedtuple rules > nearest family base > leaf), dict-subclass
+and dataclass families (None fields, frozen/slots/kw_only, init=False),
+custom functions, key paths, spec equality/hash, flatten_up_to, multi-tree
+tree_map, serialization (including safe loading that imports only inside a
+lazy family's package), Python/C++ parity for subclasses defined after the
+registration, thread safety, the bounded per-class cache, and
+torch.compile / torch.export / torch._dynamo.export with family outputs and
+inputs.
+
+test/test_pytree_hypothesis.py: property-based tests (hypothesis) of the
+flatten/unflatten invariants over generated trees of builtin containers,
+namedtuples, structseqs, families and unregistered types, for both
+implementations. The default profile is derandomized with no example
+database (PYTORCH_PYTREE_HYPOTHESIS_PROFILE selects another).
+
+test/export/test_export_hf_model_output.py and
+test/distributed/test_ddp_model_output.py: tiny randomly initialised
+transformers models (BERT, GPT-2 with use_cache=True, T5; nothing is
+downloaded) exported with torch.export (strict and non-strict),
+torch._dynamo.export and torch.compile keep their ModelOutput class and
+caches, also after torch.export.save/load in a fresh process; DDP with
+static_graph=True on a module returning a ModelOutput. They need
+transformers.
 
 Test Plan:
 
@@ -23,13 +38,18 @@ Test Plan:
 """
 
 BENCHMARKS_COMMIT_MESSAGE = """\
-Add pytree family benchmarks
+[pytree] Add pytree microbenchmarks and a Dynamo compile-time benchmark
 
-Add microbenchmarks that compare tree_flatten / tree_unflatten / tree_map on
-family-registered types (dict subclasses, dataclasses, transformers
-ModelOutput) against exact registrations and against stock builtin
-containers, to show that the family lookup adds no cost to the existing
-fast paths and little cost to the new ones.
+benchmarks/pytree/pytree_bench.py times the python pytree of a base revision
+(loaded from its source file under an alias module), the current python
+pytree and torch.utils._cxx_pytree in one process, interleaved, and prints
+paired ratios: flatten, unflatten, tree_map, leaves, flatten_with_path and
+treespec dumps/loads over flat lists and dicts, nested containers, HF model
+outputs (exact registration vs family), deep chains and single leaves.
+--check RATIO turns it into a regression gate.
+
+benchmarks/pytree/compile_time_bench.py compares Dynamo compile time of
+pytree-heavy code between two torch builds (child processes, alternating).
 
 Test Plan:
 

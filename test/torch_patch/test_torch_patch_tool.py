@@ -432,15 +432,17 @@ def test_export_git_am_and_byte_stable(tmp_path, template, test_series):
     for lib in names[:2]:  # library patches are the very same bytes as the series
         assert (out / lib).read_bytes() == (test_series / lib).read_bytes()
     tests_patch = (out / names[2]).read_text()
-    assert "Subject: [PATCH] Add tests for pytree families" in tests_patch
+    assert "Subject: [PATCH] [pytree] Add tests for pytree families" in tests_patch
     assert "Test Plan:" in tests_patch and "python test/test_fake_family.py" in tests_patch
     assert "test/data/expected.txt" in tests_patch
     assert "test/torch_patch" not in tests_patch and "__pycache__" not in tests_patch
     assert "python benchmarks/pytree/bench_family.py" in (out / names[3]).read_text()
 
     co = _standin_checkout(tmp_path / "pytorch", template)
-    am = git("am", *[str(out / n) for n in names], cwd=co, check=False)
+    am = git("am", "--keep-non-patch", *[str(out / n) for n in names], cwd=co, check=False)
     assert am.returncode == 0, am.stderr
+    subjects = git("log", "--format=%s", "-2", cwd=co).stdout.splitlines()
+    assert all(subject.startswith("[pytree] ") for subject in subjects), subjects
     assert (co / "test" / "test_fake_family.py").exists()
     assert (co / "benchmarks" / "pytree" / "bench_family.py").exists()
     assert not (co / "test" / "torch_patch").exists()
