@@ -89,5 +89,3 @@ def target(tmp_path, template) -> Path:
     t = tmp_path / "site-packages"
     shutil.copytree(template, t)
     return t
-
-
