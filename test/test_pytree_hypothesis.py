@@ -105,89 +105,140 @@ _PROFILE = settings.get_profile(
 # ---------------------------------------------------------------------------
 
 
-# A dataclass family: the base and every subclass, present and future.
-@dataclasses.dataclass
-class _DataFamily:
-    a: Any = None
+def _define_hierarchy(prefix: str) -> tuple[type, ...]:
+    """Define the class hierarchy used in the generated trees.
+
+    It is defined twice: once for the classes covered by families, and once for
+    their twins, registered class by class with ``register_pytree_node`` and
+    functions equivalent to the family defaults (differential test). The classes
+    get the module-level names ``prefix + name``, so serialized names resolve.
+    """
+
+    # A dataclass family: the base and every subclass, present and future.
+    @dataclasses.dataclass
+    class DataFamily:
+        a: Any = None
+
+    @dataclasses.dataclass
+    class DataPlain(DataFamily):
+        b: Any = None
+        c: Any = None
+
+    @dataclasses.dataclass(slots=True)
+    class DataSlots(DataFamily):
+        b: Any = None
+
+    @dataclasses.dataclass(kw_only=True)
+    class DataKwOnly(DataFamily):
+        req: Any
+        k: Any = None
+
+    @dataclasses.dataclass
+    class DataFactory(DataFamily):
+        items: Any = dataclasses.field(default_factory=list)
+
+    @dataclasses.dataclass
+    class DataInitFalse(DataFamily):
+        b: Any = None
+        # recomputed on rebuild, as ``dataclasses.replace`` does
+        num_set: int = dataclasses.field(init=False)
+
+        def __post_init__(self) -> None:
+            self.num_set = int(self.a is not None) + int(self.b is not None)
+
+    # A frozen dataclass family (a frozen class cannot inherit from a non-frozen one).
+    @dataclasses.dataclass(frozen=True)
+    class FrozenFamily:
+        x: Any = None
+
+    @dataclasses.dataclass(frozen=True, slots=True)
+    class FrozenSlots(FrozenFamily):
+        y: Any = None
+
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class FrozenKwOnly(FrozenFamily):
+        z: Any
+
+    # ModelOutput-like: an OrderedDict subclass dataclass whose keys are its
+    # non-None fields.
+    @dataclasses.dataclass
+    class OutputFamily(OrderedDict):
+        def __post_init__(self) -> None:
+            for field in dataclasses.fields(self):
+                value = getattr(self, field.name)
+                if value is not None:
+                    self[field.name] = value
+
+    @dataclasses.dataclass
+    class Output(OutputFamily):
+        logits: Any = None
+        hidden_states: Any = None
+        attentions: Any = None
+
+    @dataclasses.dataclass
+    class OutputWithLoss(Output):
+        loss: Any = None
+
+    # A plain dict subclass opted in as a family (rebuilt from (key, value) pairs).
+    class DictFamily(dict):
+        pass
+
+    class DictFamilySub(DictFamily):
+        pass
+
+    classes = (
+        DataFamily,
+        DataPlain,
+        DataSlots,
+        DataKwOnly,
+        DataFactory,
+        DataInitFalse,
+        FrozenFamily,
+        FrozenSlots,
+        FrozenKwOnly,
+        OutputFamily,
+        Output,
+        OutputWithLoss,
+        DictFamily,
+        DictFamilySub,
+    )
+    for cls in classes:
+        cls.__name__ = cls.__qualname__ = prefix + cls.__name__
+    return classes
 
 
-@dataclasses.dataclass
-class _DataPlain(_DataFamily):
-    b: Any = None
-    c: Any = None
-
-
-@dataclasses.dataclass(slots=True)
-class _DataSlots(_DataFamily):
-    b: Any = None
-
-
-@dataclasses.dataclass(kw_only=True)
-class _DataKwOnly(_DataFamily):
-    req: Any
-    k: Any = None
-
-
-@dataclasses.dataclass
-class _DataFactory(_DataFamily):
-    items: Any = dataclasses.field(default_factory=list)
-
-
-@dataclasses.dataclass
-class _DataInitFalse(_DataFamily):
-    b: Any = None
-    # recomputed on rebuild, as ``dataclasses.replace`` does
-    num_set: int = dataclasses.field(init=False)
-
-    def __post_init__(self) -> None:
-        self.num_set = int(self.a is not None) + int(self.b is not None)
-
-
-# A frozen dataclass family (a frozen class cannot inherit from a non-frozen one).
-@dataclasses.dataclass(frozen=True)
-class _FrozenFamily:
-    x: Any = None
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _FrozenSlots(_FrozenFamily):
-    y: Any = None
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class _FrozenKwOnly(_FrozenFamily):
-    z: Any
-
-
-# ModelOutput-like: an OrderedDict subclass dataclass whose keys are its non-None fields.
-@dataclasses.dataclass
-class _OutputFamily(OrderedDict):
-    def __post_init__(self) -> None:
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if value is not None:
-                self[field.name] = value
-
-
-@dataclasses.dataclass
-class _Output(_OutputFamily):
-    logits: Any = None
-    hidden_states: Any = None
-    attentions: Any = None
-
-
-@dataclasses.dataclass
-class _OutputWithLoss(_Output):
-    loss: Any = None
-
-
-# A plain dict subclass opted in as a family (rebuilt from (key, value) pairs).
-class _DictFamily(dict):
-    pass
-
-
-class _DictFamilySub(_DictFamily):
-    pass
+(
+    _DataFamily,
+    _DataPlain,
+    _DataSlots,
+    _DataKwOnly,
+    _DataFactory,
+    _DataInitFalse,
+    _FrozenFamily,
+    _FrozenSlots,
+    _FrozenKwOnly,
+    _OutputFamily,
+    _Output,
+    _OutputWithLoss,
+    _DictFamily,
+    _DictFamilySub,
+) = _FAMILY_CLASSES = _define_hierarchy("_")
+(
+    _TwinDataFamily,
+    _TwinDataPlain,
+    _TwinDataSlots,
+    _TwinDataKwOnly,
+    _TwinDataFactory,
+    _TwinDataInitFalse,
+    _TwinFrozenFamily,
+    _TwinFrozenSlots,
+    _TwinFrozenKwOnly,
+    _TwinOutputFamily,
+    _TwinOutput,
+    _TwinOutputWithLoss,
+    _TwinDictFamily,
+    _TwinDictFamilySub,
+) = _TWIN_CLASSES = _define_hierarchy("_Twin")
 
 
 py_pytree.register_pytree_family(_DataFamily)
@@ -212,102 +263,12 @@ class _DictFamilyLate(_DictFamilySub):
     pass
 
 
-# Twin hierarchy, registered class by class with register_pytree_node and functions
-# equivalent to the family defaults (differential test).
-@dataclasses.dataclass
-class _TwinDataFamily:
-    a: Any = None
-
-
-@dataclasses.dataclass
-class _TwinDataPlain(_TwinDataFamily):
-    b: Any = None
-    c: Any = None
-
-
-@dataclasses.dataclass(slots=True)
-class _TwinDataSlots(_TwinDataFamily):
-    b: Any = None
-
-
-@dataclasses.dataclass(kw_only=True)
-class _TwinDataKwOnly(_TwinDataFamily):
-    req: Any
-    k: Any = None
-
-
-@dataclasses.dataclass
-class _TwinDataFactory(_TwinDataFamily):
-    items: Any = dataclasses.field(default_factory=list)
-
-
-@dataclasses.dataclass
-class _TwinDataInitFalse(_TwinDataFamily):
-    b: Any = None
-    num_set: int = dataclasses.field(init=False)
-
-    def __post_init__(self) -> None:
-        self.num_set = int(self.a is not None) + int(self.b is not None)
-
-
-@dataclasses.dataclass(frozen=True)
-class _TwinFrozenFamily:
-    x: Any = None
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _TwinFrozenSlots(_TwinFrozenFamily):
-    y: Any = None
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class _TwinFrozenKwOnly(_TwinFrozenFamily):
-    z: Any
-
-
-@dataclasses.dataclass
-class _TwinOutputFamily(OrderedDict):
-    def __post_init__(self) -> None:
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if value is not None:
-                self[field.name] = value
-
-
-@dataclasses.dataclass
-class _TwinOutput(_TwinOutputFamily):
-    logits: Any = None
-    hidden_states: Any = None
-    attentions: Any = None
-
-
-@dataclasses.dataclass
-class _TwinOutputWithLoss(_TwinOutput):
-    loss: Any = None
-
-
-class _TwinDictFamily(dict):
-    pass
-
-
-class _TwinDictFamilySub(_TwinDictFamily):
-    pass
-
-
+# The twins are registered class by class (below); the bases of the output
+# family hold no fields and are not generated, so they stay unregistered.
 _TWIN_OF = {
-    _DataFamily: _TwinDataFamily,
-    _DataPlain: _TwinDataPlain,
-    _DataSlots: _TwinDataSlots,
-    _DataKwOnly: _TwinDataKwOnly,
-    _DataFactory: _TwinDataFactory,
-    _DataInitFalse: _TwinDataInitFalse,
-    _FrozenFamily: _TwinFrozenFamily,
-    _FrozenSlots: _TwinFrozenSlots,
-    _FrozenKwOnly: _TwinFrozenKwOnly,
-    _Output: _TwinOutput,
-    _OutputWithLoss: _TwinOutputWithLoss,
-    _DictFamily: _TwinDictFamily,
-    _DictFamilySub: _TwinDictFamilySub,
+    family: twin
+    for family, twin in zip(_FAMILY_CLASSES, _TWIN_CLASSES, strict=True)
+    if family is not _OutputFamily
 }
 _FAMILY_OF_TWIN = {twin: family for family, twin in _TWIN_OF.items()}
 
