@@ -114,14 +114,18 @@ def _identity(x: Any) -> Any:
 # ---------------------------------------------------------------------------
 
 
+def _non_none_fields_as_keys(self: Any) -> None:
+    # ModelOutput's __post_init__ in short: its non-None fields become its keys.
+    for f in dataclasses.fields(self):
+        v = getattr(self, f.name)
+        if v is not None:
+            self[f.name] = v
+
+
 class HFLikeBase(OrderedDict):
     """Mimics ``transformers.utils.generic.ModelOutput``: an OrderedDict + dataclass fields."""
 
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if v is not None:
-                self[f.name] = v
+    __post_init__ = _non_none_fields_as_keys
 
 
 @dataclasses.dataclass
@@ -141,11 +145,7 @@ class HFLikeOutputFamily(HFLikeBase):
 
 
 class SmallBase(OrderedDict):
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if v is not None:
-                self[f.name] = v
+    __post_init__ = _non_none_fields_as_keys
 
 
 @dataclasses.dataclass
