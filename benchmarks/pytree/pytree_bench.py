@@ -35,7 +35,9 @@ in stock (and in ``_cxx_pytree``); the loads statement calls ``cache_clear()`` o
 cache on the path before each call (the same few-ns overhead in every column), so loads
 really parses. The single-call cases that a Timer cannot express (a family type seen for
 the first time, registering a family over 200 subclasses) use ``time.perf_counter_ns``
-around batches, with GC disabled, in the same round-robin scheme.
+around batches, with GC disabled, in the same round-robin scheme. The scaling table
+(t(N=10,000) / t(N=1,000) for a flat list) times every implementation at both sizes in one
+group, so that ratio is paired per round as well.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -257,6 +260,7 @@ class Variant:
     column: str  # "stock" | "patched" | "cxx" | "patched[family]" | "cxx[family]"
     module: Any
     tree: Any
+    leaves: int | None = None  # when it differs from the group's (the scaling group)
 
 
 @dataclasses.dataclass
@@ -449,7 +453,7 @@ def run_group(group: Group, op: str, rounds: int, block_time: float, blocks: int
         except Exception as e:
             skipped[v.column] = f"{type(e).__name__}"
             continue
-        why = validate(op, v, g, group.leaves)
+        why = validate(op, v, g, v.leaves or group.leaves)
         if why:
             skipped[v.column] = why
             continue
@@ -702,18 +706,32 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def scaling(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    by = {(r["case"], r["op"]): r for r in rows}
+SCALING_OPS = ("tree_flatten", "tree_unflatten", "tree_map", "tree_leaves")
+
+
+def build_scaling_group(impls: dict[str, Any]) -> Group:
+    """Flat lists of 1,000 and 10,000 tensors as members of ONE group.
+
+    Timed in the same rounds, interleaved, so t(10k)/t(1k) is a paired ratio (median of the
+    per-round ratios) like patched/stock, instead of a ratio of two medians taken minutes apart.
+    """
+    small, big = case_list(1000), case_list(10000)
+    variants = []
+    for col, mod in impls.items():
+        variants.append(Variant(f"{col}@1k", mod, small, 1000))
+        variants.append(Variant(f"{col}@10k", mod, big, 10000))
+    return Group("scaling_list_1k_10k", 1000, variants, SCALING_OPS)
+
+
+def scaling(results: list[Result]) -> list[dict[str, Any]]:
     out = []
-    for op in OPS:
-        a, b = by.get(("list_1000", op)), by.get(("list_10000", op))
-        if not a or not b:
-            continue
+    for res in results:
         for impl in ("stock", "patched", "cxx"):
-            t1, t10 = a["median_us"].get(impl), b["median_us"].get(impl)
+            t1, t10 = res.rounds.get(f"{impl}@1k"), res.rounds.get(f"{impl}@10k")
             if t1 and t10:
-                out.append({"op": op, "impl": impl, "t10k_over_t1k": t10 / t1,
-                            "ns_per_leaf_1k": t1 * 1e3 / 1000, "ns_per_leaf_10k": t10 * 1e3 / 10000})
+                out.append({"op": res.op, "impl": impl, "t10k_over_t1k": _paired(t10, t1),
+                            "ns_per_leaf_1k": _median(t1) * 1e9 / 1000,
+                            "ns_per_leaf_10k": _median(t10) * 1e9 / 10000})
     return out
 
 
@@ -823,8 +841,6 @@ def build_groups(args: argparse.Namespace, impls: dict[str, Any]) -> list[Group]
         Group("single_leaf", 1, std_variants(impls, torch.zeros(())), ("tree_is_leaf", "tree_flatten", "tree_map"))
     )
     if args.cases:
-        import re
-
         groups = [g for g in groups if re.search(args.cases, g.case)]
     return groups
 
@@ -880,6 +896,14 @@ def main(argv: list[str] | None = None) -> int:
         for res in run_family_registration(impls, args.rounds, reps=1 if args.quick else 3):
             results.append(res)
             rows.extend(rows_from_result(res, None))
+    scaling_results = []
+    if not args.quick and (not args.cases or re.search(args.cases, "scaling_list_1k_10k")):
+        sg = build_scaling_group(impls)
+        for op in sg.ops:
+            res = run_group(sg, op, args.rounds, args.block_time, args.blocks)
+            scaling_results.append(res)
+            print(f"  {sg.case:<36} {op:<24} " + "  ".join(
+                f"{c}={_median(v) * 1e6:.2f}µs" for c, v in res.rounds.items()), flush=True)
     header["loadavg_after"] = os.getloadavg() if hasattr(os, "getloadavg") else None
     header["total_seconds"] = round(time.perf_counter() - t_start, 1)
 
@@ -888,11 +912,12 @@ def main(argv: list[str] | None = None) -> int:
         if ms:
             Compare(Measurement.merge(ms)).print()
 
-    print("\n## Results (µs per call: median over rounds of the fastest block per round; ratios paired per round)\n")
-    print(format_table(rows))
-    sc = scaling(rows)
+    if rows:
+        print("\n## Results (µs per call: median over rounds of the fastest block per round; ratios paired per round)\n")
+        print(format_table(rows))
+    sc = scaling(scaling_results)
     if sc:
-        print("\n## Scaling, flat list: t(N=10000) / t(N=1000) (10 = linear)\n")
+        print("\n## Scaling, flat list: t(N=10000) / t(N=1000), paired per round (10 = linear)\n")
         print("| op | impl | t(10k)/t(1k) | ns/leaf @1k | ns/leaf @10k |\n|---|---|---|---|---|")
         for s in sc:
             print(f"| {s['op']} | {s['impl']} | {s['t10k_over_t1k']:.2f} | {s['ns_per_leaf_1k']:.0f} | {s['ns_per_leaf_10k']:.0f} |")
