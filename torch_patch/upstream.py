@@ -32,6 +32,12 @@ caches, also after torch.export.save/load in a fresh process; DDP with
 static_graph=True on a module returning a ModelOutput. They need
 transformers.
 
+test/dynamo/test_member_descriptor.py: Dynamo traces
+`member_descriptor.__set__` on objects created in the graph and on
+existing ones, graph-breaks (and raises like eager) on an object of another
+class, and compiles `tree_flatten` with fullgraph=True to the same leaves
+and TreeSpec as eager.
+
 Test Plan:
 
 {test_plan}
