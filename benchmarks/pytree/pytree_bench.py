@@ -845,6 +845,14 @@ def build_groups(args: argparse.Namespace, impls: dict[str, Any]) -> list[Group]
     return groups
 
 
+def run_group_and_report(group: Group, op: str, args: argparse.Namespace) -> Result:
+    """``run_group`` with the run's settings, printing one progress line (median µs per member)."""
+    res = run_group(group, op, args.rounds, args.block_time, args.blocks)
+    print(f"  {group.case:<36} {op:<24} " + "  ".join(
+        f"{c}={_median(v) * 1e6:.2f}µs" for c, v in res.rounds.items()), flush=True)
+    return res
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline", metavar="FILE", help="a stock torch/utils/_pytree.py (v2.13.0)")
@@ -884,11 +892,9 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     for g in groups:
         for op in g.ops:
-            res = run_group(g, op, args.rounds, args.block_time, args.blocks)
+            res = run_group_and_report(g, op, args)
             results.append(res)
             rows.extend(rows_from_result(res, g.family_row))
-            print(f"  {g.case:<36} {op:<24} " + "  ".join(
-                f"{c}={_median(v) * 1e6:.2f}µs" for c, v in res.rounds.items()), flush=True)
     if HAS_FAMILY and (not args.cases or "family" in args.cases):
         for res in run_family_first_seen(impls, args.rounds, batch=20 if args.quick else 50):
             results.append(res)
@@ -900,10 +906,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.quick and (not args.cases or re.search(args.cases, "scaling_list_1k_10k")):
         sg = build_scaling_group(impls)
         for op in sg.ops:
-            res = run_group(sg, op, args.rounds, args.block_time, args.blocks)
-            scaling_results.append(res)
-            print(f"  {sg.case:<36} {op:<24} " + "  ".join(
-                f"{c}={_median(v) * 1e6:.2f}µs" for c, v in res.rounds.items()), flush=True)
+            scaling_results.append(run_group_and_report(sg, op, args))
     header["loadavg_after"] = os.getloadavg() if hasattr(os, "getloadavg") else None
     header["total_seconds"] = round(time.perf_counter() - t_start, 1)
 
