@@ -8,7 +8,10 @@ precedence. See ``torch.utils._pytree.register_pytree_family``.
 """
 
 import dataclasses
+import functools
+import gc
 import importlib
+import importlib.util
 import inspect
 import os
 import subprocess
@@ -16,13 +19,16 @@ import sys
 import tempfile
 import textwrap
 import threading
+import time
 import warnings
+import weakref
 from collections import defaultdict, namedtuple, OrderedDict
 from typing import Any
 
 import torch
 import torch.utils._cxx_pytree as cxx_pytree
 import torch.utils._pytree as py_pytree
+from torch._dynamo.testing import CompileCounter
 from torch.testing._internal.common_utils import (
     instantiate_parametrized_tests,
     parametrize,
@@ -118,18 +124,9 @@ class TestPytreeFamilyAPI(FamilyTestCase):
             py_pytree.register_pytree_family(Point)
         with self.assertRaisesRegex(TypeError, "expects a class"):
             py_pytree.register_pytree_family(3)  # type: ignore[arg-type]
-
-        class NotADataclass:
-            pass
-
-        with self.assertRaisesRegex(
-            TypeError, "neither a dict subclass nor a dataclass"
-        ):
-            py_pytree.register_pytree_family(NotADataclass)
         for bad in ("nocolon", "a.b:", ":Cls", "a-b:Cls", "a:B:C"):
             with self.assertRaisesRegex(ValueError, "Invalid pytree family"):
                 py_pytree.register_pytree_family(bad)
-        self.assertEqual(py_pytree._PYTREE_FAMILIES.keys() & {NotADataclass}, set())
 
     def test_argument_pairs(self) -> None:
         with self.assertRaisesRegex(ValueError, "both flatten_fn and unflatten_fn"):
@@ -189,7 +186,11 @@ class TestPytreeFamilyResolution(FamilyTestCase):
             self.assertIs(type(rebuilt), type(obj))
             self.assertEqual(rebuilt, obj)
 
-    def test_exact_registration_wins_without_warning(self) -> None:
+    @parametrize(
+        "registrar",
+        [subtest(py_pytree, name="py"), subtest(cxx_pytree, name="cxx")],
+    )
+    def test_exact_registration_wins_without_warning(self, registrar: Any) -> None:
         self.register_family(PointBase)
 
         @dataclasses.dataclass
@@ -202,7 +203,7 @@ class TestPytreeFamilyResolution(FamilyTestCase):
         self.assertEqual(cxx_pytree.tree_leaves(Special(1, 2)), [1, 2])
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            py_pytree.register_pytree_node(
+            registrar.register_pytree_node(
                 Special,
                 lambda p: ([p.x], p.y),
                 lambda values, y: Special(next(iter(values)), y),
@@ -279,7 +280,7 @@ class TestPytreeFamilyResolution(FamilyTestCase):
         self.assertEqual(py_pytree.tree_leaves(obj), [obj])
         self.assertEqual(cxx_pytree.tree_leaves(obj), [obj])
 
-    def test_cache_invalidated_and_bounded(self) -> None:
+    def test_cache_invalidated(self) -> None:
         @dataclasses.dataclass
         class Base:
             x: Any
@@ -292,14 +293,85 @@ class TestPytreeFamilyResolution(FamilyTestCase):
         self.assertEqual(py_pytree.tree_leaves(obj), [obj])  # cached as leaf
         self.register_family(Base)
         self.assertEqual(py_pytree.tree_leaves(obj), [1])
-        # Classes created in a loop do not make the cache grow without bound.
-        for i in range(py_pytree._NODE_TYPE_CACHE_MAX_SIZE + 100):
+        self.assertEqual(cxx_pytree.tree_leaves(obj), [1])
+
+    @pytree_impls
+    def test_leaf_classes_are_not_kept_alive(self, pytree: Any) -> None:
+        # torch.fx.GraphModule, for one, creates a class per instance.
+        @dataclasses.dataclass
+        class Base:
+            x: Any
+
+        self.register_family(Base)  # the slow path of the resolution runs too
+        refs = []
+        for i in range(200):
             cls = type(f"Leaf{i}", (), {})
-            py_pytree.tree_is_leaf(cls())
-            self.assertLessEqual(
-                len(py_pytree._NODE_TYPE_CACHE), py_pytree._NODE_TYPE_CACHE_MAX_SIZE
-            )
-        self.assertEqual(py_pytree.tree_leaves(obj), [1])
+            tree = [cls(), {"a": cls()}, (cls(),)]
+            pytree.tree_flatten(tree)
+            pytree.tree_map(lambda x: x, tree)
+            pytree.tree_leaves(tree)
+            pytree.tree_is_leaf(cls())
+            refs.append(weakref.ref(cls))
+            del cls, tree
+        gc.collect()
+        self.assertEqual([r for r in refs if r() is not None], [])
+        self.assertEqual(
+            len(py_pytree._WEAK_NODE_TYPE_CACHE), len(py_pytree._WEAK_NODE_TYPE_CACHE_REFS)
+        )
+
+    def test_family_members_are_freed_with_their_family(self) -> None:
+        # A derived registration keeps its class alive, like register_pytree_node,
+        # until the family is deregistered.
+        @dataclasses.dataclass
+        class Base:
+            x: Any
+
+        py_pytree.register_pytree_family(Base)
+        refs = []
+        for i in range(20):
+            cls = dataclasses.make_dataclass(f"Member{i}", [], bases=(Base,))
+            self.assertEqual(py_pytree.tree_leaves(cls(1)), [1])
+            self.assertEqual(cxx_pytree.tree_leaves(cls(1)), [1])
+            refs.append(weakref.ref(cls))
+            del cls
+        gc.collect()
+        self.assertEqual(sum(r() is not None for r in refs), 20)
+        py_pytree._deregister_pytree_family(Base)
+        gc.collect()
+        self.assertEqual([r for r in refs if r() is not None], [])
+        self.assertNotIn("__init_subclass__", Base.__dict__)
+
+    def test_plain_base_with_dataclass_members(self) -> None:
+        class Output:
+            pass
+
+        @dataclasses.dataclass
+        class A(Output):
+            x: Any
+            y: Any = None
+
+        class NotDerivable(Output):
+            def __init__(self, x: Any) -> None:
+                self.x = x
+
+        self.register_family(Output)
+
+        @dataclasses.dataclass
+        class B(Output):  # defined after the registration
+            z: Any
+
+        for pytree in (py_pytree, cxx_pytree):
+            self.assertEqual(pytree.tree_leaves([A(1), B(2)]), [1, 2])
+            leaves, spec = pytree.tree_flatten(A(1, 2))
+            self.assertEqual(pytree.tree_unflatten(leaves, spec), A(1, 2))
+            for obj in (NotDerivable(1), Output()):
+                name = type(obj).__qualname__
+                with self.assertRaisesRegex(
+                    TypeError,
+                    rf"Cannot flatten .*{name}, a member of the pytree family "
+                    r".*Output: it is neither a dataclass nor a dict subclass",
+                ):
+                    pytree.tree_flatten([obj])
 
     def test_thread_safety(self) -> None:
         @dataclasses.dataclass
@@ -336,6 +408,106 @@ class TestPytreeFamilyResolution(FamilyTestCase):
         self.assertEqual(errors, [])
         for tree in trees:
             self.assertEqual(len(py_pytree.tree_leaves(tree)), 4)
+
+
+    def test_stress_registration_while_flattening(self) -> None:
+        # 8 threads for a bounded time: two (de)register a family and an exact
+        # node, six flatten, unflatten and map with both pytrees, on members of
+        # a family that stays registered (some of them created on the way, so
+        # never seen before), of the toggled family and plain containers.
+        @dataclasses.dataclass
+        class StableBase:
+            x: Any
+            y: Any = None
+
+        @dataclasses.dataclass
+        class ToggledBase:
+            x: Any
+
+        class Exact:
+            def __init__(self, v: Any) -> None:
+                self.v = v
+
+            def __eq__(self, other: object) -> bool:
+                return type(other) is Exact and other.v == self.v
+
+        self.register_family(StableBase)
+        self.addCleanup(
+            lambda: ToggledBase in py_pytree._PYTREE_FAMILIES
+            and py_pytree._deregister_pytree_family(ToggledBase)
+        )
+
+        def deregister_exact() -> None:
+            if Exact in py_pytree.SUPPORTED_NODES:
+                py_pytree._deregister_pytree_node(Exact)
+                cxx_pytree._private_deregister_pytree_node(Exact)
+
+        self.addCleanup(deregister_exact)
+        deadline = time.monotonic() + 3.0
+        errors: list[str] = []
+        counts: list[int] = []
+        lock = threading.Lock()
+
+        def toggle_family() -> None:
+            while time.monotonic() < deadline:
+                py_pytree.register_pytree_family(ToggledBase)
+                py_pytree._deregister_pytree_family(ToggledBase)
+
+        def toggle_exact() -> None:
+            while time.monotonic() < deadline:
+                py_pytree.register_pytree_node(
+                    Exact, lambda e: ([e.v], None), lambda v, _: Exact(next(iter(v)))
+                )
+                deregister_exact()
+
+        def work(seed: int) -> None:
+            n = 0
+            try:
+                while time.monotonic() < deadline:
+                    pytree = (py_pytree, cxx_pytree)[(seed + n) % 2]
+                    member_cls = (
+                        dataclasses.make_dataclass(f"New{seed}_{n}", [], bases=(StableBase,))
+                        if n % 5 == 0
+                        else StableBase
+                    )
+                    tree = {
+                        "stable": [member_cls(n, (n, 1))],
+                        "plain": [(n,), {"a": n}],
+                    }
+                    leaves, spec = pytree.tree_flatten(tree)
+                    if leaves != [n, n, 1, n, n]:
+                        errors.append(f"{pytree.__name__}: leaves {leaves}")
+                    if pytree.tree_unflatten(leaves, spec) != tree:
+                        errors.append(f"{pytree.__name__}: round trip of {tree}")
+                    mapped = pytree.tree_map(lambda v: v, tree)
+                    if mapped != tree:
+                        errors.append(f"{pytree.__name__}: tree_map gave {mapped}")
+                    # A registration that changes under us: a node or a leaf,
+                    # nothing else (unflattening a spec whose type was just
+                    # deregistered fails, as it always did).
+                    for obj in (ToggledBase(n), Exact(n)):
+                        leaves = pytree.tree_leaves([obj, n])
+                        if leaves not in ([obj, n], [n, n]):
+                            errors.append(f"{pytree.__name__}: {obj} gave {leaves}")
+                    n += 1
+            except Exception as e:  # noqa: BLE001
+                errors.append(f"{type(e).__name__}: {e}")
+            with lock:
+                counts.append(n)
+
+        threads = [
+            threading.Thread(target=toggle_family),
+            threading.Thread(target=toggle_exact),
+        ] + [threading.Thread(target=work, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        self.assertFalse(any(t.is_alive() for t in threads), "a thread hangs")
+        if errors:
+            self.fail(f"{len(errors)} errors, the first ones:\n" + "\n".join(errors[:5]))
+        self.assertEqual(len(counts), 6)
+        self.assertGreater(min(counts), 10)
 
 
 class TestPytreeFamilyMapping(FamilyTestCase):
@@ -637,7 +809,7 @@ class TestPytreeFamilySpecs(FamilyTestCase):
             class Late(Base):
                 z: object = None
 
-            assert Late not in py_pytree._NODE_TYPE_CACHE
+            assert Late not in py_pytree.SUPPORTED_NODES
             leaves, spec = cxx_pytree.tree_flatten([Late(1, z=2)])
             assert leaves == [1, 2], leaves
             assert cxx_pytree.tree_unflatten([3, 4], spec) == [Late(3, z=4)]
@@ -724,6 +896,13 @@ class TestPytreeFamilySerialization(FamilyTestCase):
                 """
             ),
             "other.py": "SIDE_EFFECT = True\n",
+            "lazy.py": textwrap.dedent(
+                """
+                def __getattr__(name):
+                    import familypkg.other
+                    raise AttributeError(name)
+                """
+            ),
         }
         for name, text in files.items():
             with open(os.path.join(pkg, name), "w") as f:
@@ -769,26 +948,61 @@ class TestPytreeFamilySerialization(FamilyTestCase):
         )
         self.assertIs(nested.type, sys.modules["familypkg.outputs"].Holder.Nested)
 
+    def _loads_new_modules(self, type_name: str) -> set[str]:
+        # The modules that a failing treespec_loads of `type_name` imported.
+        self._forget_modules()
+        before = set(sys.modules)
+        with self.assertRaisesRegex(NotImplementedError, "is not registered"):
+            py_pytree.treespec_loads(self._spec_json(type_name))
+        return set(sys.modules) - before
+
     def test_loads_refuses_non_members_and_imports_nothing(self) -> None:
         self.register_family("familypkg.base:Base")
-        before = set(sys.modules)
+        # Outside the lazy family's package: nothing is imported.
         for name in (
-            "familypkg.base.Unrelated",  # in the package, not a family member
-            "familypkg.other.SIDE_EFFECT",  # not a class
-            "os.path.join",  # outside any family package
+            "os.path.join",
             "json.decoder.JSONDecoder",  # an importable class, not a member
-            "familypkg.missing.Out",
+            "torch._inductor.config.Foo",
             "not_a_module_anywhere.Cls",
+            "5",
+            "familypkg",
         ):
-            with self.assertRaisesRegex(NotImplementedError, "is not registered"):
-                py_pytree.treespec_loads(self._spec_json(name))
-        new_modules = set(sys.modules) - before
-        # Only modules inside the lazy family's package may have been imported,
-        # and none outside it.
-        self.assertTrue(
-            all(m.split(".")[0] == "familypkg" for m in new_modules), new_modules
+            self.assertEqual(self._loads_new_modules(name), set(), name)
+        # Inside it: at most the one module that the name points to.
+        self.assertEqual(
+            self._loads_new_modules("familypkg.base.Unrelated"),
+            {"familypkg", "familypkg.base"},
         )
-        self.assertNotIn("not_a_module_anywhere", sys.modules)
+        self.assertEqual(
+            self._loads_new_modules("familypkg.other.SIDE_EFFECT"),
+            {"familypkg", "familypkg.other"},
+        )
+        # A module that does not exist: only its parent package, found while
+        # looking for it.
+        self.assertEqual(self._loads_new_modules("familypkg.missing.Out"), {"familypkg"})
+        self.assertEqual(
+            self._loads_new_modules("familypkg.base.Out.Inner.Deeper"), {"familypkg"}
+        )
+        # A module's __getattr__ (a lazy package) is never called.
+        importlib.import_module("familypkg.lazy")
+        before = set(sys.modules)
+        with self.assertRaisesRegex(NotImplementedError, "is not registered"):
+            py_pytree.treespec_loads(self._spec_json("familypkg.lazy.Foo"))
+        self.assertEqual(set(sys.modules) - before, set())
+
+    def test_loads_of_a_member_imports_only_its_module(self) -> None:
+        self.register_family("familypkg.base:Base")
+        self.assertEqual(self._loads_new_modules("familypkg.outputs.Nope"), {
+            "familypkg", "familypkg.base", "familypkg.outputs"
+        })
+        self._forget_modules()
+        before = set(sys.modules)
+        spec = py_pytree.treespec_loads(self._spec_json("familypkg.outputs.Out"))
+        self.assertEqual(
+            set(sys.modules) - before,
+            {"familypkg", "familypkg.base", "familypkg.outputs"},
+        )
+        self.assertIs(spec.type, sys.modules["familypkg.outputs"].Out)
 
     def test_loads_without_lazy_family_imports_nothing(self) -> None:
         @dataclasses.dataclass
@@ -809,6 +1023,26 @@ class TestPytreeFamilySerialization(FamilyTestCase):
         self.assertIs(spec.type, sys.modules["familypkg.outputs"].Out)
         with self.assertRaisesRegex(NotImplementedError, "is not registered"):
             py_pytree.treespec_loads(self._spec_json("familypkg.base.Unrelated"))
+
+
+# Functions of (pytree module, tree) that call one entry point each; compiled
+# with fullgraph=True they must trace one graph and agree with eager.
+_ENTRY_POINT_FNS: dict[str, Any] = {
+    "tree_flatten": lambda m, t: m.tree_unflatten(
+        *reversed((lambda lv, sp: ([v + 1 for v in lv], sp))(*m.tree_flatten(t)))
+    ),
+    "tree_leaves": lambda m, t: [v * 2 for v in m.tree_leaves(t)],
+    "tree_iter": lambda m, t: [v * 2 for v in m.tree_iter(t)],
+    "tree_structure": lambda m, t: m.tree_unflatten(
+        [v - 1 for v in m.tree_leaves(t)], m.tree_structure(t)
+    ),
+    "tree_map": lambda m, t: m.tree_map(lambda v: v + 1, t),
+    "tree_map_": lambda m, t: m.tree_map_(lambda v: v.add_(1), t),
+    "tree_map_only": lambda m, t: m.tree_map_only(torch.Tensor, lambda v: v * 3, t),
+    "tree_all": lambda m, t: m.tree_all(lambda v: v.dim() == 1, t),
+    "tree_any": lambda m, t: m.tree_any(lambda v: v.shape[0] == 2, t),
+    "tree_is_leaf": lambda m, t: (m.tree_is_leaf(t), m.tree_is_leaf(torch.ones(1))),
+}
 
 
 class TestPytreeFamilyCompile(FamilyTestCase):
@@ -834,6 +1068,73 @@ class TestPytreeFamilyCompile(FamilyTestCase):
         self.assertIs(type(result), FreshOutput)
         self.assertEqual(list(result.keys()), ["a"])
         self.assertEqual(result.a, x * 2 + 1)
+
+    @pytree_impls
+    @parametrize("entry_point", list(_ENTRY_POINT_FNS))
+    @parametrize("kind", ["plain", "member", "new_member"])
+    def test_compile_fullgraph_entry_points(
+        self, pytree: Any, entry_point: str, kind: str
+    ) -> None:
+        # Stock traces every entry point of both pytrees into one graph; with a
+        # family registered it still does, whether or not the input holds one
+        # of its members (`new_member`: a class never flattened before).
+        @dataclasses.dataclass
+        class NewOutput(ModelOutputLike):
+            a: Any = None
+            b: Any = None
+
+        def make_tree() -> Any:
+            x, y = torch.arange(3.0), torch.ones(2)
+            if kind == "plain":
+                return {"a": [x, (y,)], "b": x}
+            if kind == "member":
+                return [EncoderOutput(last_hidden_state=x, hidden_states=(y,)), x]
+            return [NewOutput(a=x, b=(y, x)), y]
+
+        fn = functools.partial(_ENTRY_POINT_FNS[entry_point], pytree)
+        expected = fn(make_tree())
+        counter = CompileCounter()
+        actual = torch.compile(fn, backend=counter, fullgraph=True)(make_tree())
+        self.assertEqual(actual, expected)
+        self.assertEqual(type(actual), type(expected))
+        self.assertLessEqual(counter.frame_count, 1)
+
+    @parametrize("with_transformers", [False, True])
+    def test_compile_fullgraph_cxx_in_fresh_process(
+        self, with_transformers: bool
+    ) -> None:
+        # A fresh process: the lazy HuggingFace families exist but no family
+        # member was ever seen; optionally transformers is imported (its module
+        # of the lazy ModelOutput family with it).
+        if with_transformers and importlib.util.find_spec("transformers") is None:
+            self.skipTest("transformers is not installed")
+        script = textwrap.dedent(
+            f"""
+            import torch
+            import torch.utils._cxx_pytree as cxx_pytree
+            if {with_transformers!r}:
+                import transformers.modeling_outputs as mo
+            def fn(x):
+                leaves, spec = cxx_pytree.tree_flatten({{"a": [x, (x,)], "b": x}})
+                out = cxx_pytree.tree_unflatten([v + 1 for v in leaves], spec)
+                return cxx_pytree.tree_map(lambda v: v * 2, out), cxx_pytree.tree_leaves(out)
+            x = torch.arange(3.0)
+            torch.testing.assert_close(torch.compile(fn, fullgraph=True, backend="eager")(x), fn(x))
+            if {with_transformers!r}:
+                def gn(o):
+                    return cxx_pytree.tree_map(lambda v: v + 1, o)
+                o = mo.BaseModelOutput(last_hidden_state=x, hidden_states=(x, x))
+                r = torch.compile(gn, fullgraph=True, backend="eager")(o)
+                assert type(r) is mo.BaseModelOutput and list(r.keys()) == list(o.keys())
+                torch.testing.assert_close(r.hidden_states, (x + 1, x + 1))
+            print("ok")
+            """
+        )
+        result = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, timeout=600
+        )
+        self.assertEqual(result.returncode, 0, result.stderr[-3000:])
+        self.assertEqual(result.stdout.strip().splitlines()[-1], "ok")
 
     def _module(self) -> torch.nn.Module:
         class Model(torch.nn.Module):
