@@ -14,11 +14,20 @@ EXIT_CODES = f"""\
 exit codes (all verbs):
   0  success / status: applied
   1  status: not applied
-  2  modified after apply (status; revert refuses without --force)
-  3  base mismatch: the target is not torch {EXPECTED_TORCH_VERSION}
+  2  the files are neither stock nor fully patched: modified after apply, partly applied
+     (status; revert refuses to discard edits without --force)
+  3  base mismatch: the target is not torch {EXPECTED_TORCH_VERSION}, or torch is not installed there
+     (only leftovers: `torch-patch revert` removes them)
   4  status: interrupted (an apply/revert was killed midway; apply finishes it, revert rolls it back)
   5  error (message on stderr; nothing was changed)
+  130  stopped by Ctrl-C (the message says what state the target was left in)
 """
+
+STATE_HELP = ("The state is derived from the files themselves (git apply --check, forward and --reverse, "
+              "of each file's part of the series, and the sha256 sums recorded by apply as a cache), "
+              "never from torch-patch's records alone: a reinstalled torch or `git checkout .` is "
+              "`not applied`, a series committed with `git am` or applied with plain `git apply` is "
+              "`applied`.")
 
 TARGET_HELP = ("a PyTorch checkout root (torch/__init__.py + .git), or a directory containing an installed "
                "torch/ package such as a venv's site-packages (default: the torch this Python imports)")
@@ -47,37 +56,68 @@ def _parser() -> argparse.ArgumentParser:
 
     a = sub.add_parser("apply", formatter_class=_Formatter, epilog=EXIT_CODES,
                        help="apply the series (all patches or none)",
-                       description="Check every patch with `git apply --check` in a staging copy, then "
-                                   "switch the target's files over atomically (journaled). Records sha256 "
-                                   "of every touched file and keeps the originals, so revert is exact. "
-                                   "Applying the same series again is a no-op.")
+                       description="Examine the target's files, apply every patch in a staging copy with "
+                                   "`git apply`, then switch the target's files over atomically (journaled; "
+                                   "Ctrl-C is held back during the switch). Records the sha256 of every "
+                                   "touched file and keeps the originals, so revert is exact. If the files "
+                                   "already hold the series (applied before, `git am`, `git apply`), "
+                                   "nothing is done; files left stock by a reinstall or `git checkout` are "
+                                   "patched again. Waits while another torch-patch works on the same "
+                                   "target.\n\n" + STATE_HELP)
     a.add_argument("target", nargs="?", metavar="TARGET", help=TARGET_HELP)
     a.add_argument("--allow-system", action="store_true",
                    help="allow the default target even if this Python is not in a virtual environment")
     a.add_argument("--reapply", action="store_true",
                    help="if a different series is applied, revert it first, then apply this one")
     a.add_argument("--force", action="store_true",
-                   help="with --reapply: discard edits made to patched files after the earlier apply")
+                   help="only with --reapply: let that revert discard edits made to patched files after "
+                        "the earlier apply")
     a.add_argument("--series", metavar="DIR", help=SERIES_HELP)
 
     r = sub.add_parser("revert", formatter_class=_Formatter, epilog=EXIT_CODES,
-                       help="restore the byte-identical originals",
-                       description="Restore the original files saved by apply (verified by sha256). Refuses "
-                                   "and names the files if a patched file was edited after apply, unless "
-                                   "--force. Rolls back an interrupted apply.")
+                       help="restore the stock files (byte-identical originals)",
+                       description="Put the stock files back: the originals saved by apply (verified by "
+                                   "sha256), or `git apply --reverse` for files patched without torch-patch "
+                                   "(plain `git apply`). Refuses and names the files if a patched file was "
+                                   "edited after apply, unless --force. Rolls back an interrupted apply. "
+                                   "Refuses on a checkout whose HEAD has the series committed (use git). "
+                                   "After `pip uninstall torch`, removes what torch-patch left behind "
+                                   "(the files the series adds, and .torch-patch/).\n\n" + STATE_HELP)
     r.add_argument("target", nargs="?", metavar="TARGET", help=TARGET_HELP)
     r.add_argument("--force", action="store_true", help="restore originals even over edits made after apply")
     r.add_argument("--allow-system", action="store_true",
                    help="allow the default target even if this Python is not in a virtual environment")
+    r.add_argument("--series", metavar="DIR", help=SERIES_HELP + " (to recognise files patched without torch-patch)")
 
     s = sub.add_parser("status", formatter_class=_Formatter, epilog=EXIT_CODES,
                        help="print the patch state; the exit code tells it too",
                        description="Print one of: `not applied`, `applied (<patches>)`, `modified after "
-                                   "apply (<files>)`, `interrupted (...)`, `base mismatch: found torch X, "
-                                   f"expected {EXPECTED_TORCH_VERSION}`. Changes nothing.")
+                                   "apply (<files>)`, `modified (<files>: ...)`, `partly applied (...)`, "
+                                   "`interrupted (...)`, `base mismatch: found torch X, expected "
+                                   f"{EXPECTED_TORCH_VERSION}`, `not installed: ...` (torch uninstalled, "
+                                   "leftovers remain); a note after ` — ` says more (stale records, "
+                                   "leftover files, applied by other means). Changes nothing.\n\n"
+                                   + STATE_HELP + "\n\n--json fields: state, message, code, target, kind, "
+                                   "torch_version, expected_torch_version, patches, modified_files, "
+                                   "series_current, applied_by (torch-patch | other | null), leftovers, "
+                                   "state_dir, and stock_files: {path in the target: absolute path of an "
+                                   "on-disk copy of its stock version} for every file the series touches "
+                                   "that stock torch has (`torch-patch stock-file PATH` prints one).")
     s.add_argument("target", nargs="?", metavar="TARGET", help=TARGET_HELP)
     s.add_argument("--json", action="store_true", help="print a JSON object instead of one line")
     s.add_argument("--series", metavar="DIR", help=SERIES_HELP)
+
+    f = sub.add_parser("stock-file", formatter_class=_Formatter, epilog=EXIT_CODES,
+                       help="print the path of the stock version of a torch file (e.g. a benchmark baseline)",
+                       description="Print the absolute path of an on-disk copy of the stock torch "
+                                   f"{EXPECTED_TORCH_VERSION} version of PATH: the original that apply "
+                                   "kept if the file is patched, else the file itself (checked against "
+                                   "the wheel's RECORD). For example:\n"
+                                   "  python benchmarks/pytree/pytree_bench.py --baseline "
+                                   "\"$(torch-patch stock-file torch/utils/_pytree.py)\"")
+    f.add_argument("path", metavar="PATH",
+                   help="the file, relative to the target (torch/utils/_pytree.py) or an absolute path in it")
+    f.add_argument("target", nargs="?", metavar="TARGET", help=TARGET_HELP)
 
     e = sub.add_parser("export", formatter_class=_Formatter, epilog=EXIT_CODES,
                        help="write the upstream-ready series (library + tests + benchmarks)",
@@ -113,13 +153,17 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.verb == "apply" and args.force and not args.reapply:
+        parser.error("apply: --force only takes effect together with --reapply (it lets the revert of the "
+                     "earlier apply discard edits); add --reapply, or run `torch-patch revert --force` first")
     try:
         if args.verb == "apply":
             core.apply(args.target, series_dir=args.series, allow_system=args.allow_system,
                        reapply=args.reapply, force=args.force)
         elif args.verb == "revert":
-            core.revert(args.target, force=args.force, allow_system=args.allow_system)
+            core.revert(args.target, force=args.force, allow_system=args.allow_system, series_dir=args.series)
         elif args.verb == "status":
             st = core.status(args.target, series_dir=args.series)
             if args.json:
@@ -127,6 +171,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             else:
                 print(st.message)
             return st.code
+        elif args.verb == "stock-file":
+            print(core.stock_file_path(args.path, args.target))
         elif args.verb == "export":
             from .export import export
             export(args.outdir, force=args.force, series_dir=args.series, repo=args.repo, source=args.source)
@@ -142,9 +188,20 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"torch-patch: error: {e}", file=sys.stderr, flush=True)
         return e.code
     except KeyboardInterrupt:
-        print("torch-patch: interrupted", file=sys.stderr)
-        return 130
+        print(f"torch-patch: stopped by Ctrl-C{_after_interrupt(args)}", file=sys.stderr, flush=True)
+        return core.EXIT_SIGINT
     return 0
+
+
+def _after_interrupt(args) -> str:
+    """What a Ctrl-C left: the target's state as `status` sees it (apply/revert only)."""
+    if args.verb not in ("apply", "revert"):
+        return ""
+    try:
+        st = core.status(args.target, series_dir=getattr(args, "series", None))
+    except (TorchPatchError, KeyboardInterrupt, OSError) as e:
+        return f"; could not tell the state of the target ({e}); run `torch-patch status`"
+    return f"; {st.target} is now: {st.message} (check again with `torch-patch status`)"
 
 
 if __name__ == "__main__":

@@ -5,13 +5,25 @@ Design (see README.md / CONTRIBUTING.md):
 * The series is ``torch_patch/patches/series`` plus the ``git format-patch`` files it names.
 * A *target* is either a PyTorch checkout (``torch/__init__.py`` and ``.git``) or a directory
   that contains an installed ``torch/`` package (e.g. a venv's site-packages).
-* Patching happens in a *staging* copy of the touched files (inside the target's state dir, so
-  on the same filesystem); ``git apply`` runs there with repository discovery fenced off, so an
-  enclosing git repository (a ``.venv`` inside a clone) can never make it skip files.
+* **The files are the truth.**  Every verb starts by examining the files the series touches
+  (``_Exam``): each one is *stock*, *patched* or *other*, decided from its bytes: equal to what
+  torch-patch wrote or to the original it saved, equal to the wheel's ``RECORD`` entry, or else
+  by ``git apply`` / ``git apply --reverse`` of that file's part of every patch
+  (``--include=<file>``) in a private copy.  The records in the state dir are only a cache of
+  sha256 sums and the store of the byte-identical originals; records that no longer match the
+  files (torch reinstalled, ``git checkout .``) are stale and ignored.  So a series committed
+  with ``git am`` or applied with plain ``git apply`` is reported as applied, and a reinstalled
+  torch as not applied.
+* Patching happens in a *staging* copy inside the target's state dir (so on the same
+  filesystem); ``git apply`` runs there with repository discovery fenced off, so an enclosing
+  git repository (a ``.venv`` inside a clone) can never make it skip files.
 * The switch from the old to the new files is journaled: a journal is written, then every file
   is moved into place with ``os.replace``.  A journal left by a killed process is reported by
   ``status`` as ``interrupted`` and resolved by the next ``apply`` (finish) or ``revert``
-  (roll back).
+  (roll back).  SIGINT and SIGTERM are held back while the switch runs.
+* One torch-patch at a time per target: an exclusive ``flock`` on the target's root directory
+  (a checkout: its git dir), a directory the tool never creates or removes; ``status`` takes it
+  shared, so it never reports a switch in progress as ``interrupted``.
 * State (series id, sha256 of every touched file before/after, byte copies of the originals)
   lives in ``<root>/.torch-patch/`` for installed torch and ``<git-dir>/torch-patch/`` for a
   checkout.
@@ -29,11 +41,14 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 EXPECTED_TORCH_VERSION = "2.13.0"
 PATCHES_DIR = Path(__file__).resolve().parent / "patches"
@@ -52,6 +67,12 @@ EXIT_ERROR = 5
 # 0 = after staging, before the journal is written.
 FAULT_ENV = "TORCH_PATCH_FAULT_AFTER_FILES"
 FAULT_EXIT_CODE = 75
+# Test hook: send this process SIGINT (a real Ctrl-C) after this many files were moved into
+# place; 0 = while staging, before the journal is written.
+SIGINT_ENV = "TORCH_PATCH_SIGINT_AFTER_FILES"
+# Seconds to wait for another torch-patch working on the same target (default 600).
+LOCK_TIMEOUT_ENV = "TORCH_PATCH_LOCK_TIMEOUT"
+EXIT_SIGINT = 130  # Ctrl-C (the CLI says what state the target was left in)
 
 Log = Callable[[str], None]
 
@@ -183,6 +204,7 @@ class Patch:
     path: Path
     data: bytes
     files: List[str]  # paths touched (relative to the torch checkout root)
+    creates: List[str] = dataclasses.field(default_factory=list)  # files this patch adds
 
     @property
     def text(self) -> str:
@@ -207,8 +229,26 @@ class Series:
                 seen.setdefault(f, None)
         return list(seen)
 
+    def patches_for(self, rel: str) -> List[Patch]:
+        return [p for p in self.patches if rel in p.files]
+
+    def creates(self, rel: str) -> bool:
+        """True if stock torch has no ``rel``: the first patch that touches it creates it."""
+        first = next(iter(self.patches_for(rel)), None)
+        return first is not None and rel in first.creates
+
 
 _DIFF_GIT_RE = re.compile(r"^diff --git a/(\S+) b/(\S+)$", re.M)
+
+
+def created_files(text: str) -> List[str]:
+    """Paths that the patch adds (their section has ``--- /dev/null``)."""
+    out = []
+    for section in re.split(r"^(?=diff --git )", text, flags=re.M):
+        m = _DIFF_GIT_RE.match(section)
+        if m and re.search(r"^--- /dev/null$", section, re.M):
+            out.append(m.group(2))
+    return out
 
 
 def patch_files(text: str) -> List[str]:
@@ -255,7 +295,7 @@ def load_series(series_dir: Optional[os.PathLike] = None, *, library_only: bool 
             if bad:
                 raise TorchPatchError(f"{name} touches {bad[0]}, outside torch/; library patches may "
                                       f"only change torch/ (tests and benchmarks are added by `export`)")
-        patches.append(Patch(name, path, data, files))
+        patches.append(Patch(name, path, data, files, created_files(text)))
         h.update(name.encode() + b"\0" + hashlib.sha256(data).digest())
     return Series(series_dir, patches, h.hexdigest())
 
@@ -269,6 +309,7 @@ class Target:
     root: Path
     kind: str  # "checkout" | "installed"
     state_dir: Path
+    torch_missing: bool = False  # installed target whose torch was uninstalled (leftovers only)
 
     @property
     def state_file(self) -> Path:
@@ -282,9 +323,17 @@ class Target:
     def orig_dir(self) -> Path:
         return self.state_dir / "orig"
 
+    @property
+    def lock_path(self) -> Path:
+        """A directory that exists as long as the target does and that the tool never creates or
+        removes: the root of an installed target, the git dir of a checkout."""
+        return self.state_dir.parent
+
 
 def installed_torch_root() -> Optional[Path]:
-    """Directory containing the ``torch`` package this interpreter would import (not importing it)."""
+    """Directory containing the ``torch`` package this interpreter would import (not importing it).
+    Also returns the directory when ``torch`` is only a namespace package (torch uninstalled,
+    leftovers remain), so that the caller can report it."""
     spec = importlib.util.find_spec("torch")
     if spec is None:
         return None
@@ -322,9 +371,25 @@ def _git_dir_of(root: Path) -> Path:
     raise TorchPatchError(f"{dotgit} is neither a directory nor a `gitdir:` file")
 
 
+def _venv_site_packages(venv: Path) -> List[Path]:
+    cands = sorted(venv.glob("lib/python3*/site-packages")) + sorted(venv.glob("Lib/site-packages"))
+    return [c for c in cands if c.is_dir()]
+
+
+def _debris_target(root: Path) -> Optional[Target]:
+    """``root`` holds no torch but what torch-patch leaves behind after `pip uninstall torch`
+    (a ``torch/`` without ``__init__.py``, and/or ``.torch-patch/``)."""
+    if (root / "torch" / "__init__.py").exists():
+        return None
+    if (root / "torch").is_dir() or (root / ".torch-patch").is_dir():
+        return Target(root, "installed", root / ".torch-patch", torch_missing=True)
+    return None
+
+
 def resolve_target(target: Optional[os.PathLike] = None, *, allow_system: bool = False,
-                   require_venv: bool = True) -> Target:
-    """Turn the TARGET argument (or the default: this interpreter's torch) into a Target."""
+                   require_venv: bool = True, verb: str = "patch") -> Target:
+    """Turn the TARGET argument (or the default: this interpreter's torch) into a Target.
+    ``verb`` names the action in the refusal to touch a torch outside a venv."""
     if target is None:
         root = installed_torch_root()
         if root is None:
@@ -333,12 +398,15 @@ def resolve_target(target: Optional[os.PathLike] = None, *, allow_system: bool =
         if require_venv and not allow_system:
             if not _in_venv():
                 raise TorchPatchError(
-                    f"refusing to patch {root}: {sys.executable} is not running in a virtual environment; "
+                    f"refusing to {verb} {root}: {sys.executable} is not running in a virtual environment; "
                     f"use a venv (python3 -m venv .venv), pass TARGET explicitly, or pass --allow-system")
             if _is_within(root, sys.base_prefix) and not _is_within(root, sys.prefix):
                 raise TorchPatchError(
-                    f"refusing to patch {root}: it is the system torch seen through this venv; "
+                    f"refusing to {verb} {root}: it is the system torch seen through this venv; "
                     f"install torch=={EXPECTED_TORCH_VERSION} into the venv, or pass --allow-system")
+        debris = _debris_target(root)
+        if debris is not None:
+            return debris
     else:
         p = Path(target).expanduser()
         if not p.exists():
@@ -349,7 +417,17 @@ def resolve_target(target: Optional[os.PathLike] = None, *, allow_system: bool =
             root = p
         elif p.name == "torch" and (p / "__init__.py").is_file():
             root = p.parent  # the package directory itself was given
+        elif (p / "pyvenv.cfg").is_file():
+            sps = _venv_site_packages(p)
+            with_torch = [sp for sp in sps if (sp / "torch").is_dir()] or sps
+            where = " or ".join(str(sp) for sp in with_torch) or f"{p}/lib/python3.X/site-packages"
+            raise TorchPatchError(
+                f"target {p} is a virtual environment, not the directory that contains torch/: pass its "
+                f"site-packages, {where} (or run {p / 'bin' / 'torch-patch'} without TARGET)")
         else:
+            debris = _debris_target(p) or (_debris_target(p.parent) if p.name == "torch" else None)
+            if debris is not None:
+                return debris
             raise TorchPatchError(f"target {p} is neither a PyTorch checkout (torch/__init__.py + .git) "
                                   f"nor a directory containing an installed torch/ package; "
                                   f"pass the checkout root or the site-packages directory")
@@ -391,7 +469,29 @@ def base_version_ok(version: Optional[str]) -> bool:
                                                                 EXPECTED_TORCH_VERSION + "a0")
 
 
+def _leftovers(t: Target) -> List[str]:
+    """What is left in a target whose torch was uninstalled: files under torch/ and the state dir."""
+    out = []
+    if (t.root / "torch").is_dir():
+        out = sorted(p.relative_to(t.root).as_posix() for p in (t.root / "torch").rglob("*")
+                     if p.is_file() and "__pycache__" not in p.parts)
+    if t.state_dir.exists():
+        out.append(t.state_dir.relative_to(t.root).as_posix() + "/")
+    return out
+
+
+def _torch_missing_message(t: Target) -> str:
+    left = _leftovers(t)
+    shown = ", ".join(left[:6]) + (f" and {len(left) - 6} more" if len(left) > 6 else "")
+    return (f"torch is not installed in {t.root} (no torch/__init__.py: `pip uninstall torch`?), but "
+            f"files torch-patch wrote are left: {shown or 'none'}; with them `import torch` finds an empty "
+            f"namespace package: run `torch-patch revert {t.root}` to remove them, then reinstall "
+            f"torch=={EXPECTED_TORCH_VERSION} if you want it (next time, revert before uninstalling)")
+
+
 def check_base(t: Target) -> str:
+    if t.torch_missing:
+        raise TorchPatchError(_torch_missing_message(t), EXIT_BASE_MISMATCH)
     version = read_torch_version(t.root)
     if version is None:
         raise TorchPatchError(f"cannot tell the torch version at {t.root} (no torch/version.py, "
@@ -413,31 +513,65 @@ def _not_writable(path: Path, e: OSError) -> TorchPatchError:
                            f"run as a user who may write there or use a venv you own")
 
 
-@contextlib.contextmanager
-def _locked(t: Target) -> Iterator[None]:
-    """Create the state dir (this is also the writability check) and hold an exclusive lock on it.
-    An empty state dir is removed again on exit, so failed or reverted runs leave no trace."""
-    created = not t.state_dir.exists()
+def _lock_timeout() -> float:
+    v = os.environ.get(LOCK_TIMEOUT_ENV)
     try:
-        t.state_dir.mkdir(parents=True, exist_ok=True)
-        probe = tempfile.TemporaryFile(dir=t.state_dir)
-        probe.close()
-    except OSError as e:
-        raise _not_writable(t.state_dir.parent if created else t.state_dir, e)
-    fd = os.open(t.state_dir, os.O_RDONLY)
-    try:
+        return float(v) if v else 600.0
+    except ValueError:
+        raise TorchPatchError(f"{LOCK_TIMEOUT_ENV}={v!r} is not a number of seconds")
+
+
+def _flock(t: Target, fd: int, shared: bool, log: Optional[Log]) -> None:
+    mode = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
+    timeout = _lock_timeout()
+    deadline = time.monotonic() + timeout
+    told = False
+    while True:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            raise TorchPatchError(f"another torch-patch is working on {t.root} (lock on {t.state_dir}); "
-                                  f"wait for it to finish")
-        _clean_leftovers(t)
-        yield
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
+            return
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise TorchPatchError(f"cannot lock {t.lock_path}: {e.strerror or e}")
+        if time.monotonic() >= deadline:
+            raise TorchPatchError(
+                f"another torch-patch has been working on {t.root} for over {timeout:g} s (lock on "
+                f"{t.lock_path}); wait for it to finish, or raise {LOCK_TIMEOUT_ENV}")
+        if not told and log is not None:
+            log(f"waiting for another torch-patch working on {t.root} to finish…")
+            told = True
+        time.sleep(0.02)
+
+
+@contextlib.contextmanager
+def _locked(t: Target, *, shared: bool = False, log: Optional[Log] = None) -> Iterator[None]:
+    """Hold the target's lock (see ``Target.lock_path``).  Exclusive: also create the state dir
+    (this is the writability check) and remove it again on exit if it is empty, so failed or
+    reverted runs leave no trace.  Only the lock holder ever creates or removes the state dir."""
+    try:
+        fd = os.open(t.lock_path, os.O_RDONLY)
+    except OSError as e:
+        raise TorchPatchError(f"cannot open {t.lock_path} to lock it: {e.strerror or e}")
+    try:
+        _flock(t, fd, shared, log)
+        if shared:
+            yield
+            return
+        created = not t.state_dir.exists()
+        try:
+            t.state_dir.mkdir(exist_ok=True)
+            tempfile.TemporaryFile(dir=t.state_dir).close()
+        except OSError as e:
+            raise _not_writable(t.state_dir.parent if created else t.state_dir, e)
+        try:
+            _clean_leftovers(t)
+            yield
+        finally:
+            with contextlib.suppress(OSError):
+                if not any(t.state_dir.iterdir()):
+                    t.state_dir.rmdir()
     finally:
-        os.close(fd)
-        with contextlib.suppress(OSError):
-            if not any(t.state_dir.iterdir()):
-                t.state_dir.rmdir()
+        os.close(fd)  # releases the lock
 
 
 def _clean_leftovers(t: Target) -> None:
@@ -454,7 +588,7 @@ def _clean_leftovers(t: Target) -> None:
         shutil.rmtree(t.orig_dir, ignore_errors=True)
 
 
-def _check_dirs_writable(t: Target, rels: List[str]) -> None:
+def _check_dirs_writable(t: Target, rels: Iterable[str]) -> None:
     dirs = {}
     for rel in rels:
         d = (t.root / rel).parent
@@ -469,7 +603,11 @@ def _check_dirs_writable(t: Target, rels: List[str]) -> None:
 
 
 def read_state(t: Target) -> Optional[dict]:
-    return _read_json(t.state_file)
+    state = _read_json(t.state_file)
+    if state is not None and not (isinstance(state.get("files"), dict) and "series_id" in state):
+        raise TorchPatchError(f"{t.state_file} is not a torch-patch state file; delete {t.state_dir} "
+                              f"(the files themselves tell whether the series is applied)")
+    return state
 
 
 def read_journal(t: Target) -> Optional[dict]:
@@ -477,6 +615,8 @@ def read_journal(t: Target) -> Optional[dict]:
 
 
 def modified_files(t: Target, state: dict) -> List[str]:
+    """Files recorded by apply that are no longer what apply wrote (a cache check; the state
+    that verbs act on comes from ``_Exam``)."""
     return [rel for rel, rec in sorted(state["files"].items())
             if sha256_file(t.root / rel) != rec["after"]]
 
@@ -531,24 +671,266 @@ def describe_apply_failure(patch: Patch, stderr: str) -> str:
     return first.strip()
 
 
-def _git_apply_in(stage: Path, patch: Patch, *, check: bool, reverse: bool = False) -> subprocess.CompletedProcess:
-    """Run git apply in the staging dir, with discovery of any enclosing repository disabled."""
-    env = git_env({"GIT_CEILING_DIRECTORIES": str(stage.parent)})
+def _git_apply_in(stage: Path, patch: Patch, *, check: bool = False, reverse: bool = False,
+                  include: Optional[str] = None, ceiling: Optional[Path] = None) -> subprocess.CompletedProcess:
+    """Run git apply in the staging dir, with discovery of any enclosing repository disabled;
+    ``include`` restricts it to that one file's part of the patch."""
+    env = git_env({"GIT_CEILING_DIRECTORIES": str(ceiling or stage.parent)})
     args = ["apply", "--whitespace=nowarn", "-p1"]
     if check:
         args.append("--check")
     if reverse:
         args.append("--reverse")
+    if include is not None:
+        args.append("--include=" + re.sub(r"([\[\]*?\\])", r"\\\1", include))
     return run_git(args + [str(patch.path)], stage, env=env, check=False)
+
+
+# --------------------------------------------------------------------------------------------
+# examination: what the files are
+
+
+STOCK, PATCHED, OTHER = "stock", "patched", "other"
+
+# Status.state values
+APPLIED = "applied"
+NOT_APPLIED = "not applied"
+MODIFIED_AFTER_APPLY = "modified after apply"
+MODIFIED = "modified"
+PARTLY_APPLIED = "partly applied"
+INTERRUPTED = "interrupted"
+BASE_MISMATCH = "base mismatch"
+NOT_INSTALLED = "not installed"
+
+_UNKNOWN = object()
+
+
+@dataclasses.dataclass
+class FileView:
+    """What one file of the target is, derived from its bytes."""
+    rel: str
+    current: Optional[str]  # sha256 now, None = the file does not exist
+    kind: str = OTHER  # stock | patched | other
+    by: str = ""  # what decided: "records", "RECORD" (the wheel's), "git apply"
+    created: bool = False  # stock torch has no such file (the series adds it)
+    edited: bool = False  # torch-patch recorded it, and it is neither what apply wrote nor the original
+    stock_src: Optional[Path] = None  # a file with the stock bytes (None: stock has no such file, or unknown)
+    stock_sha: object = _UNKNOWN  # sha256 of the stock bytes, None = stock has no such file
+    patched_src: Optional[Path] = None
+    patched_sha: object = _UNKNOWN
+    failure: Optional[Tuple[Patch, str]] = None  # first patch whose part for this file does not apply
+
+
+class _Exam:
+    """Classify every file that the series (or the records of an earlier apply) touches.
+
+    ``work`` is a scratch directory (created; the caller removes it) where ``git apply`` runs on
+    private copies.  Nothing in the target is changed."""
+
+    def __init__(self, t: Target, series: Series, work: Path, record: Optional[Dict[str, str]] = None):
+        self.t, self.series, self.work = t, series, work
+        self.work.mkdir(parents=True, exist_ok=True)
+        self._n = 0
+        self.records = read_state(t)
+        rels = dict.fromkeys(series.files)
+        rels.update(dict.fromkeys(sorted(self.records["files"]) if self.records else ()))
+        self.record = record
+        if record is None and t.kind == "installed":
+            with contextlib.suppress(TorchPatchError, OSError, ValueError):
+                self.record = load_record(t.root, rels)
+        self.files: Dict[str, FileView] = {rel: self._view(rel) for rel in rels}
+
+    # -- per file
+
+    def _chain(self, rel: str, reverse: bool) -> Tuple[bool, Optional[Path], Optional[Tuple[Patch, str]]]:
+        """Apply (or reverse-apply, last patch first) every patch's part for ``rel`` to a private
+        copy of the file.  Returns (ok, result file or None if the result is 'no file', failure)."""
+        self._n += 1
+        root = self.work / f"{'rev' if reverse else 'fwd'}-{self._n}"
+        root.mkdir()
+        src = self.t.root / rel
+        if src.exists():
+            _copy_file(src, root / rel)
+        patches = self.series.patches_for(rel)
+        for p in (reversed(patches) if reverse else patches):
+            proc = _git_apply_in(root, p, reverse=reverse, include=rel, ceiling=self.work)
+            if proc.returncode != 0:
+                return False, None, (p, proc.stderr.decode(errors="replace"))
+        out = root / rel
+        return True, (out if out.exists() else None), None
+
+    def _view(self, rel: str) -> FileView:
+        path = self.t.root / rel
+        cur = sha256_file(path)
+        rec = self.records["files"].get(rel) if self.records else None
+        v = FileView(rel, cur, created=self.series.creates(rel) or (rec is not None and rec["before"] is None))
+        here = path if cur is not None else None
+        if rec is not None and cur == rec["after"] and rec["after"] != rec["before"]:
+            v.kind, v.by, v.patched_src, v.patched_sha = PATCHED, "records", here, cur
+            v.stock_sha = rec["before"]
+            v.stock_src = self.t.orig_dir / rel if rec["before"] is not None else None
+            return v
+        if rec is not None and cur == rec["before"]:
+            v.kind, v.by, v.stock_src, v.stock_sha = STOCK, "records", here, cur
+            return v
+        if self.record is not None and rel in self.record and cur == self.record[rel]:
+            v.kind, v.by, v.stock_src, v.stock_sha = STOCK, "RECORD", here, cur
+            return v
+        if not self.series.patches_for(rel):
+            v.edited = rec is not None  # recorded by an earlier series that this one does not touch
+            return v
+        ok, out, failure = self._chain(rel, reverse=False)
+        if ok:
+            v.kind, v.by, v.stock_src, v.stock_sha = STOCK, "git apply", here, cur
+            v.patched_src, v.patched_sha = out, sha256_file(out) if out else None
+            return v
+        v.failure = failure
+        ok, out, _ = self._chain(rel, reverse=True)
+        if ok:
+            v.kind, v.by, v.patched_src, v.patched_sha = PATCHED, "git apply", here, cur
+            v.stock_src, v.stock_sha = out, sha256_file(out) if out else None
+        v.edited = rec is not None
+        return v
+
+    def patched_version(self, v: FileView) -> Tuple[Optional[Path], Optional[str]]:
+        """The patched bytes of a stock file (runs git apply if not known yet)."""
+        if v.patched_sha is _UNKNOWN:
+            ok, out, failure = self._chain(v.rel, reverse=False)
+            if not ok:
+                p, stderr = failure
+                raise TorchPatchError(
+                    f"patch {p.name} does not apply to {self.t.root}: {describe_apply_failure(p, stderr)}, "
+                    f"although {v.rel} is the stock file (per {v.by}); the series does not fit torch "
+                    f"{EXPECTED_TORCH_VERSION} (regenerate it with `torch-patch dev --export`) — nothing was changed")
+            v.patched_src, v.patched_sha = out, sha256_file(out) if out else None
+        return v.patched_src, v.patched_sha  # type: ignore[return-value]
+
+    # -- the whole target
+
+    def views(self, kind: Optional[str] = None) -> List[FileView]:
+        return [v for v in self.files.values() if kind is None or v.kind == kind]
+
+    def bad(self) -> List[FileView]:
+        """Files that are neither stock nor patched, or that were edited after apply."""
+        return [v for v in self.files.values() if v.kind == OTHER or v.edited]
+
+    @property
+    def records_valid(self) -> bool:
+        """The records describe the files: every recorded file is what apply wrote."""
+        return bool(self.records) and all(self.files[rel].kind == PATCHED and self.files[rel].by == "records"
+                                          for rel in self.records["files"])
+
+    def summary(self) -> "Summary":
+        t, series, recs = self.t, self.series, self.records
+        current = (recs["series_id"] == series.id) if recs else None
+        bad = [v.rel for v in self.bad()]
+        bad_txt = ", ".join(v.rel + (" (missing)" if v.current is None and not v.created else "")
+                            for v in self.bad())
+        patched = self.views(PATCHED)
+        stock = self.views(STOCK)
+        if self.records_valid:
+            msg = f"applied ({', '.join(recs['patches'])})"
+            if not current:
+                msg += " — an older/different series than this torch_patch ships; `torch-patch apply --reapply`"
+            return Summary(EXIT_APPLIED, APPLIED, msg, list(recs["patches"]), [], current, "torch-patch")
+        if bad:
+            if recs:
+                return Summary(EXIT_MODIFIED, MODIFIED_AFTER_APPLY, f"modified after apply ({bad_txt})",
+                               list(recs["patches"]), bad, current, "torch-patch")
+            return Summary(EXIT_MODIFIED, MODIFIED,
+                           f"modified ({bad_txt}: neither the stock torch {EXPECTED_TORCH_VERSION} file "
+                           f"nor patched by the series; `torch-patch apply` names the hunk that does not fit)",
+                           [], bad, None, None)
+        series_views = [self.files[rel] for rel in series.files]
+        if series_views and all(v.kind == PATCHED for v in series_views):
+            msg = f"applied ({', '.join(series.names)})"
+            if recs:
+                msg += f" — the records in {t.state_dir} are stale (the next apply or revert replaces them)"
+            elif t.kind == "checkout" and _committed(t, [v.rel for v in patched]):
+                msg += " — committed in this checkout (e.g. with `git am`), not by torch-patch"
+            else:
+                msg += " — not by torch-patch (e.g. plain `git apply`): no originals saved; revert uses `git apply -R`"
+            return Summary(EXIT_APPLIED, APPLIED, msg, series.names, [], True, "other")
+        stale = (f"; the records of an earlier apply in {t.state_dir} are stale (the files were replaced "
+                 f"since, e.g. torch reinstalled or `git checkout`): the next apply or revert removes them"
+                 if recs else "")
+        if not patched:
+            return Summary(EXIT_NOT_APPLIED, NOT_APPLIED, "not applied" + (" —" + stale[1:] if stale else ""),
+                           [], [], current, None)
+        leftover = [v.rel for v in patched if v.created]
+        if len(leftover) == len(patched) and stock:
+            return Summary(EXIT_NOT_APPLIED, NOT_APPLIED,
+                           f"not applied — left over from an earlier apply: {', '.join(leftover)} (torch reinstalled, "
+                           f"or `git checkout`?): `torch-patch apply` applies the series again, `torch-patch revert` "
+                           f"removes it{stale}", [], [], current, None, leftover)
+        return Summary(EXIT_MODIFIED, PARTLY_APPLIED,
+                       f"partly applied ({', '.join(v.rel for v in patched)} patched; "
+                       f"{', '.join(v.rel for v in stock)} not): `torch-patch apply` completes it, "
+                       f"`torch-patch revert` undoes it", list(recs["patches"]) if recs else [],
+                       [], current, "torch-patch" if recs else None)
+
+
+@dataclasses.dataclass
+class Summary:
+    code: int
+    state: str
+    message: str
+    patches: List[str]
+    modified: List[str]
+    current: Optional[bool]
+    applied_by: Optional[str]  # "torch-patch" (records match) | "other" | None
+    leftovers: List[str] = dataclasses.field(default_factory=list)
+
+
+def _committed(t: Target, rels: List[str]) -> bool:
+    """True if the checkout's HEAD already has these files as they are (the series was
+    committed, e.g. `git am`), so reverting the working tree would not remove it."""
+    if not rels:
+        return False
+    proc = run_git(["--no-optional-locks", "status", "--porcelain", "--untracked-files=all", "--", *rels],
+                   t.root, check=False)
+    return proc.returncode == 0 and not proc.stdout.strip()
+
+
+@contextlib.contextmanager
+def _scratch(parent: Optional[Path] = None) -> Iterator[Path]:
+    d = Path(tempfile.mkdtemp(prefix="torch-patch-exam-", dir=parent))
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------------------------
 # journaled commit
 
 
-def _fault_budget() -> Optional[int]:
-    v = os.environ.get(FAULT_ENV)
+def _fault_budget(env: str = FAULT_ENV) -> Optional[int]:
+    v = os.environ.get(env)
     return int(v) if v else None
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """Hold SIGINT/SIGTERM back while files are switched over (a few ms), then deliver them, so
+    Ctrl-C never stops the switch midway.  (Only the main thread can set signal handlers.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: List[int] = []
+    sigs = [signal.SIGINT, signal.SIGTERM]
+    old = {s: signal.signal(s, lambda signum, frame: pending.append(signum)) for s in sigs}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        for s in dict.fromkeys(pending):
+            signal.raise_signal(s)
+
+
+def _stage_src(stage: Path, journal: dict, rel: str) -> Path:
+    return stage / "new" / rel if journal.get("layout", 1) >= 2 else stage / rel
 
 
 def _commit(t: Target, journal: dict) -> int:
@@ -556,6 +938,7 @@ def _commit(t: Target, journal: dict) -> int:
     resulting state and drop the journal.  Safe to re-run after a crash at any point."""
     stage = t.state_dir / journal["stage"]
     budget = _fault_budget()
+    sigint_budget = _fault_budget(SIGINT_ENV)
     moved = 0
     for rel, rec in sorted(journal["files"].items()):
         dst = t.root / rel
@@ -569,7 +952,7 @@ def _commit(t: Target, journal: dict) -> int:
         if rec["after"] is None:
             dst.unlink()
         else:
-            src = stage / rel
+            src = _stage_src(stage, journal, rel)
             if sha256_file(src) != rec["after"]:
                 raise TorchPatchError(f"staged copy {src} is missing or damaged; reinstall "
                                       f"torch=={EXPECTED_TORCH_VERSION} and delete {t.state_dir}")
@@ -579,7 +962,13 @@ def _commit(t: Target, journal: dict) -> int:
         moved += 1
         if budget is not None and moved >= budget:
             os._exit(FAULT_EXIT_CODE)  # fault injection for tests: simulate a kill
+        if sigint_budget is not None and moved == sigint_budget:
+            signal.raise_signal(signal.SIGINT)  # test hook: a real Ctrl-C (held back until the end)
     if journal["op"] == "apply":
+        new_orig = stage / "orig"
+        if journal.get("layout", 1) >= 2 and new_orig.exists():
+            shutil.rmtree(t.orig_dir, ignore_errors=True)
+            os.replace(new_orig, t.orig_dir)
         _write_json_atomic(t.state_file, journal["state"])
     else:
         with contextlib.suppress(FileNotFoundError):
@@ -587,12 +976,27 @@ def _commit(t: Target, journal: dict) -> int:
         shutil.rmtree(t.orig_dir, ignore_errors=True)
     t.journal_file.unlink()
     shutil.rmtree(stage, ignore_errors=True)
+    _drop_bytecode(t, [rel for rel, rec in journal["files"].items() if rec["after"] is None])
     return moved
 
 
+def _drop_bytecode(t: Target, removed: Iterable[str]) -> None:
+    """Remove the __pycache__ entries of deleted modules (and directories left empty)."""
+    for rel in removed:
+        path = t.root / rel
+        if path.exists():
+            continue
+        cache = path.parent / "__pycache__"
+        for pyc in cache.glob(f"{path.stem}.*.pyc"):
+            pyc.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            cache.rmdir()
+
+
 def _rollback_apply(t: Target, journal: dict) -> None:
-    """Undo an interrupted apply: put the originals (kept in orig/) back."""
+    """Undo an interrupted apply: put the files back as they were before it."""
     stage = t.state_dir / journal["stage"]
+    new_orig = stage / "orig"
     for rel, rec in sorted(journal["files"].items()):
         dst = t.root / rel
         cur = sha256_file(dst)
@@ -604,28 +1008,38 @@ def _rollback_apply(t: Target, journal: dict) -> None:
         if rec["before"] is None:
             dst.unlink()
             continue
-        tmp = stage / (rel + ".rollback")
-        _copy_file(t.orig_dir / rel, tmp)
+        orig = new_orig / rel if (new_orig / rel).exists() else t.orig_dir / rel
+        tmp = stage / "rollback" / rel
+        _copy_file(orig, tmp)
         if sha256_file(tmp) != rec["before"]:
-            raise TorchPatchError(f"saved original {t.orig_dir / rel} is damaged; reinstall "
+            raise TorchPatchError(f"saved original {orig} is damaged; reinstall "
                                   f"torch=={EXPECTED_TORCH_VERSION} and delete {t.state_dir}")
         _keep_owner(tmp, dst)
         os.replace(tmp, dst)
     t.journal_file.unlink()
     shutil.rmtree(stage, ignore_errors=True)
-    shutil.rmtree(t.orig_dir, ignore_errors=True)
-    with contextlib.suppress(FileNotFoundError):
-        t.state_file.unlink()
+    _drop_bytecode(t, [rel for rel, rec in journal["files"].items() if rec["before"] is None])
+
+
+def _journal_progress(t: Target, journal: dict) -> Tuple[int, int]:
+    done = sum(1 for rel, rec in journal["files"].items() if sha256_file(t.root / rel) == rec["after"])
+    return done, len(journal["files"])
 
 
 def _resolve_journal(t: Target, journal: dict, want: str, log: Log) -> None:
-    done = sum(1 for rel, rec in journal["files"].items() if sha256_file(t.root / rel) == rec["after"])
-    total = len(journal["files"])
+    done, total = _journal_progress(t, journal)
     if journal["op"] == "apply" and want == "revert":
         log(f"rolling back interrupted apply ({done} of {total} files had been replaced)")
         _rollback_apply(t, journal)
     else:
         log(f"finishing interrupted {journal['op']} ({done} of {total} files had been replaced)")
+        _commit(t, journal)
+
+
+def _switch(t: Target, journal: dict, stage: Path) -> None:
+    """Write the journal and switch the files over, with Ctrl-C held back."""
+    with _signals_held():
+        _write_json_atomic(t.journal_file, journal)
         _commit(t, journal)
 
 
@@ -637,110 +1051,123 @@ def _new_stage(t: Target) -> Path:
     return Path(tempfile.mkdtemp(prefix="stage-", dir=t.state_dir))
 
 
-def _series_already_present(t: Target, series: Series) -> bool:
-    """True if the target's files already contain the whole series (e.g. a checkout where it
-    was committed with `git am`): every patch reverse-applies, last to first."""
-    stage = _new_stage(t)
-    try:
-        for rel in series.files:
-            if (t.root / rel).exists():
-                _copy_file(t.root / rel, stage / rel)
-        for p in reversed(series.patches):
-            if _git_apply_in(stage, p, check=False, reverse=True).returncode != 0:
-                return False
-        return True
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
+def _put(src: Optional[Path], dst: Path) -> None:
+    if src is not None:
+        _copy_file(src, dst)
 
 
-def _apply_series(t: Target, series: Series, version: str, log: Log) -> dict:
+def _check_original(t: Target, v: FileView) -> Optional[Path]:
+    """The saved original of a file patched by torch-patch, verified by sha256."""
+    if v.stock_sha is None:
+        return None
+    src = t.orig_dir / v.rel
+    if sha256_file(src) != v.stock_sha:
+        raise TorchPatchError(f"saved original {src} is missing or damaged; reinstall "
+                              f"torch=={EXPECTED_TORCH_VERSION} (pip install --force-reinstall) "
+                              f"and delete {t.state_dir}")
+    return src
+
+
+def _apply_series(t: Target, series: Series, exam: _Exam, version: str, stage: Path, log: Log) -> dict:
+    """Apply to a target whose every file is stock or already patched by this series."""
     rels = series.files
-    _check_dirs_writable(t, rels)
-    stage = _new_stage(t)
-    try:
-        before = {}
-        for rel in rels:
-            src = t.root / rel
-            before[rel] = sha256_file(src)
-            if before[rel] is not None:
-                _copy_file(src, stage / rel)
-        n = len(series.patches)
-        log(f"checking {_n(n, 'patch')} against {t.root} ({t.kind})…")
-        for p in series.patches:
-            for check in (True, False):
-                proc = _git_apply_in(stage, p, check=check)
-                if proc.returncode != 0:
-                    if _series_already_present(t, series):
-                        log(f"the series is already contained in the files of {t.root} (applied without "
-                            f"torch-patch, e.g. committed with `git am`); nothing to do")
-                        shutil.rmtree(stage, ignore_errors=True)
-                        return {}
-                    why = describe_apply_failure(p, proc.stderr.decode(errors="replace"))
-                    raise TorchPatchError(
-                        f"patch {p.name} does not apply to {t.root}: {why}; the target is not stock "
-                        f"torch {EXPECTED_TORCH_VERSION} there (edited by hand, or patched by other means?) "
-                        f"— nothing was changed")
-            log(f"  ok {p.name} ({_n(len(p.files), 'file')})")
-        after = {rel: sha256_file(stage / rel) for rel in rels}
-        unchanged = [rel for rel in rels if after[rel] == before[rel]]
-        if unchanged:
-            raise TorchPatchError(f"git apply left {', '.join(unchanged)} unchanged although the series "
-                                  f"touches it; nothing was changed (please report this)")
-        shutil.rmtree(t.orig_dir, ignore_errors=True)
-        for rel in rels:
-            if before[rel] is not None:
-                _copy_file(t.root / rel, t.orig_dir / rel)
-                if sha256_file(t.orig_dir / rel) != before[rel]:
-                    raise TorchPatchError(f"{t.root / rel} changed while being patched; retry")
-        files = {rel: {"before": before[rel], "after": after[rel]} for rel in rels}
-        state = {"format": STATE_FORMAT, "series_id": series.id, "patches": series.names,
-                 "torch_version": version, "kind": t.kind, "files": files}
-        journal = {"op": "apply", "stage": stage.name, "files": files, "state": state}
-        if _fault_budget() == 0:
-            os._exit(FAULT_EXIT_CODE)  # fault injection: killed after staging, before the journal
-        _write_json_atomic(t.journal_file, journal)
-    except BaseException:
-        shutil.rmtree(stage, ignore_errors=True)
-        if not t.journal_file.exists():
-            shutil.rmtree(t.orig_dir, ignore_errors=True)
-        raise
-    _commit(t, journal)
+    n = len(series.patches)
+    log(f"checking {_n(n, 'patch')} against {t.root} ({t.kind})…")
+    finals: Dict[str, Optional[str]] = {}
+    state_files = {}
+    for rel in rels:
+        v = exam.files[rel]
+        if v.kind == STOCK:
+            src, sha = exam.patched_version(v)
+            stock_src, stock_sha = v.stock_src, v.stock_sha
+        else:  # PATCHED by this series
+            src, sha = v.patched_src, v.patched_sha
+            stock_src = _check_original(t, v) if v.by == "records" else v.stock_src
+            stock_sha = v.stock_sha
+        _put(src, stage / "new" / rel)
+        _put(stock_src, stage / "orig" / rel)
+        if stock_src is not None and sha256_file(stage / "orig" / rel) != stock_sha:
+            raise TorchPatchError(f"{t.root / rel} changed while being patched; retry")
+        finals[rel] = sha  # type: ignore[assignment]
+        state_files[rel] = {"before": stock_sha, "after": sha}
+    for p in series.patches:
+        log(f"  ok {p.name} ({_n(len(p.files), 'file')})")
+    unchanged = [rel for rel, rec in state_files.items() if rec["before"] == rec["after"]]
+    if unchanged:
+        raise TorchPatchError(f"git apply left {', '.join(unchanged)} unchanged although the series "
+                              f"touches it; nothing was changed (please report this)")
+    changing = {rel: {"before": exam.files[rel].current, "after": finals[rel]}
+                for rel in rels if exam.files[rel].current != finals[rel]}
+    _check_dirs_writable(t, changing)
+    already = [rel for rel in rels if rel not in changing]
+    if already:
+        log(f"  already patched: {', '.join(already)}")
+    state = {"format": STATE_FORMAT, "series_id": series.id, "patches": series.names,
+             "torch_version": version, "kind": t.kind, "files": state_files}
+    journal = {"op": "apply", "layout": 2, "stage": stage.name, "files": changing, "state": state}
+    if _fault_budget() == 0:
+        os._exit(FAULT_EXIT_CODE)  # fault injection: killed after staging, before the journal
+    if _fault_budget(SIGINT_ENV) == 0:
+        signal.raise_signal(signal.SIGINT)  # test hook: Ctrl-C while staging
+    _switch(t, journal, stage)
     log(f"applied {_n(n, 'patch')} ({_n(len(rels), 'file')}) to {t.root}")
     return state
 
 
-def _revert_state(t: Target, state: dict, force: bool, log: Log) -> None:
-    modified = modified_files(t, state)
-    if modified and not force:
+def _revert_files(t: Target, exam: _Exam, force: bool, stage: Path, log: Log) -> Optional[int]:
+    """Put every file of the examination back to stock.  Returns the number of files changed
+    (None if there was nothing to do)."""
+    todo = [v for v in exam.views() if v.kind != STOCK]
+    if not todo:
+        return None
+    if t.kind == "checkout" and not exam.records_valid and not exam.records and \
+            _committed(t, [v.rel for v in todo]):
         raise TorchPatchError(
-            f"refusing to revert: edited after apply: {', '.join(modified)} (in {t.root}); save your "
-            f"edits elsewhere, then rerun with --force to restore the originals", EXIT_MODIFIED)
-    if modified:
-        log(f"--force: discarding edits to {', '.join(modified)}")
-    _check_dirs_writable(t, list(state["files"]))
-    stage = _new_stage(t)
-    try:
-        files = {}
-        for rel, rec in sorted(state["files"].items()):
-            if rec["before"] is not None:
-                src = t.orig_dir / rel
-                if sha256_file(src) != rec["before"]:
-                    raise TorchPatchError(f"saved original {src} is missing or damaged; reinstall "
-                                          f"torch=={EXPECTED_TORCH_VERSION} (pip install --force-reinstall) "
-                                          f"and delete {t.state_dir}")
-                _copy_file(src, stage / rel)
-            files[rel] = {"before": sha256_file(t.root / rel), "after": rec["before"]}
-        journal = {"op": "revert", "stage": stage.name, "files": files}
-        _write_json_atomic(t.journal_file, journal)
-    except BaseException:
-        shutil.rmtree(stage, ignore_errors=True)
-        raise
-    _commit(t, journal)
-    bad = [rel for rel, rec in state["files"].items() if sha256_file(t.root / rel) != rec["before"]]
+            f"the series is committed in {t.root} (HEAD has the patched files, e.g. after `git am`); "
+            f"`torch-patch revert` only undoes working-tree changes: remove the commits with git "
+            f"(`git revert`, or `git reset --hard v{EXPECTED_TORCH_VERSION}` on a branch made for them)")
+    edited = [v.rel for v in todo if v.edited or v.kind == OTHER]
+    if edited and not force:
+        if exam.records:
+            raise TorchPatchError(
+                f"refusing to revert: edited after apply: {', '.join(edited)} (in {t.root}); save your "
+                f"edits elsewhere, then rerun with --force to restore the originals", EXIT_MODIFIED)
+        raise TorchPatchError(
+            f"refusing to revert: {', '.join(edited)} in {t.root} is neither the stock torch "
+            f"{EXPECTED_TORCH_VERSION} file nor patched by the series, and torch-patch saved no original "
+            f"of it; restore it yourself (`pip install --force-reinstall torch=={EXPECTED_TORCH_VERSION}` "
+            f"or `git checkout`)", EXIT_MODIFIED)
+    if edited:
+        log(f"--force: discarding edits to {', '.join(edited)}")
+    files = {}
+    for v in todo:
+        if v.kind == PATCHED and not v.edited and v.by == "git apply":
+            src, sha = v.stock_src, v.stock_sha
+        else:  # patched by torch-patch, or (with --force) edited: the saved original
+            rec = exam.records["files"].get(v.rel) if exam.records else None
+            if rec is None:
+                raise TorchPatchError(
+                    f"--force cannot restore {t.root / v.rel}: torch-patch saved no original of it; "
+                    f"restore it yourself (`pip install --force-reinstall torch=={EXPECTED_TORCH_VERSION}` "
+                    f"or `git checkout`)")
+            v.stock_sha = rec["before"]
+            src, sha = _check_original(t, v), rec["before"]
+        _put(src, stage / "new" / v.rel)
+        files[v.rel] = {"before": v.current, "after": sha}
+    _check_dirs_writable(t, files)
+    _switch(t, {"op": "revert", "layout": 2, "stage": stage.name, "files": files}, stage)
+    bad = [rel for rel, rec in files.items() if sha256_file(t.root / rel) != rec["after"]]
     if bad:
         raise TorchPatchError(f"after revert, {', '.join(bad)} do not match the originals (sha256)")
-    log(f"reverted {_n(len(state['patches']), 'patch')} ({_n(len(state['files']), 'file')}) in {t.root}; "
-        f"sha256 of every file matches the original")
+    return len(files)
+
+
+def _drop_records(t: Target) -> bool:
+    had = t.state_file.exists() or t.orig_dir.exists()
+    with contextlib.suppress(FileNotFoundError):
+        t.state_file.unlink()
+    shutil.rmtree(t.orig_dir, ignore_errors=True)
+    return had
 
 
 def apply(target: Optional[os.PathLike] = None, *, series_dir: Optional[os.PathLike] = None,
@@ -748,64 +1175,196 @@ def apply(target: Optional[os.PathLike] = None, *, series_dir: Optional[os.PathL
           log: Log = _print) -> dict:
     """Apply the series to TARGET (default: the torch imported by this interpreter).
 
-    All patches are checked and applied in a staging copy first; the target's files are then
-    switched over with a journal, so the result is either untouched or fully applied.
-    Returns the recorded state (dict).  Raises TorchPatchError (``.code`` = exit code).
+    What is applied is decided from the files (see ``_Exam``), not from earlier records.  All
+    patches are applied in a staging copy first; the target's files are then switched over with
+    a journal, so the result is either untouched or fully applied.  Returns the recorded state
+    (dict; empty if the series was already contained in the files without records).
+    Raises TorchPatchError (``.code`` = exit code).
     """
+    if force and not reapply:
+        raise TorchPatchError("apply: --force only takes effect together with --reapply (it lets the revert "
+                              "of the earlier apply discard edits); add --reapply, or use `torch-patch revert "
+                              "--force` first")
     series = load_series(series_dir)
     t = resolve_target(target, allow_system=allow_system)
     version = check_base(t)
     require_git()
-    with _locked(t):
+    with _locked(t, log=log):
         journal = read_journal(t)
         if journal is not None:
             _resolve_journal(t, journal, "apply", log)
-        state = read_state(t)
-        if state is not None:
-            if state["series_id"] == series.id:
-                mod = modified_files(t, state)
-                note = f" (note: edited after apply: {', '.join(mod)})" if mod else ""
-                log(f"already applied ({', '.join(state['patches'])}) to {t.root}; nothing to do{note}")
-                return state
-            if not reapply:
-                raise TorchPatchError(
-                    f"a different series is already applied to {t.root} ({', '.join(state['patches'])}); "
-                    f"run `torch-patch revert` first, or `torch-patch apply --reapply`")
-            log("--reapply: reverting the series applied before")
-            _revert_state(t, state, force, log)
-        if not series.patches:
-            log(f"the series in {series.dir} is empty; nothing to apply")
-            return {}
-        return _apply_series(t, series, version, log)
+        for attempt in (1, 2):
+            stage = _new_stage(t)
+            try:
+                exam = _Exam(t, series, stage / "exam")
+                done = _apply_decide(t, series, exam, version, stage, reapply, force, attempt, log)
+            except BaseException:
+                shutil.rmtree(stage, ignore_errors=True)
+                raise
+            shutil.rmtree(stage, ignore_errors=True)
+            if done is not None:
+                return done
+        raise AssertionError("unreachable")
+
+
+def _apply_decide(t: Target, series: Series, exam: _Exam, version: str, stage: Path, reapply: bool,
+                  force: bool, attempt: int, log: Log) -> Optional[dict]:
+    """One round of apply: returns the state, or None to examine again (after --reapply's revert)."""
+    s = exam.summary()
+    recs = exam.records
+    bad = exam.bad()
+    other_series = bool(recs) and recs["series_id"] != series.id and \
+        any(v.by == "records" and v.kind == PATCHED for v in exam.views())
+    if s.state == APPLIED and not other_series:
+        if s.applied_by == "torch-patch":
+            log(f"already applied ({', '.join(recs['patches'])}) to {t.root}; nothing to do")
+            return recs
+        log(f"the series is already contained in the files of {t.root} (applied without torch-patch, "
+            f"e.g. committed with `git am` or applied with `git apply`); nothing to do")
+        return {}
+    if s.state == MODIFIED_AFTER_APPLY and not other_series and not (reapply and force) and \
+            series.files and all(exam.files[rel].kind == PATCHED for rel in series.files):
+        log(f"already applied ({', '.join(series.names)}) to {t.root}; nothing to do "
+            f"(note: edited after apply: {', '.join(s.modified)})")
+        return recs
+    if other_series or (reapply and force and bad):
+        if attempt == 2:
+            raise TorchPatchError(f"--reapply could not bring {t.root} back to stock; see `torch-patch status`")
+        if not reapply:
+            raise TorchPatchError(
+                f"a different series is already applied to {t.root} ({', '.join(recs['patches'])}); "
+                f"run `torch-patch revert` first, or `torch-patch apply --reapply`")
+        log("--reapply: reverting the series applied before")
+        _revert_files(t, exam, force, stage, log)
+        _drop_records(t)
+        return None
+    if bad:
+        if recs and s.state == MODIFIED_AFTER_APPLY:
+            raise TorchPatchError(
+                f"{', '.join(s.modified)} in {t.root} was edited after apply and no longer holds the "
+                f"series; `torch-patch revert --force` restores the originals (discarding the edits), "
+                f"then apply again (or: `torch-patch apply --reapply --force`)", EXIT_MODIFIED)
+        v = bad[0]
+        if v.failure is not None:
+            p, stderr = v.failure
+            why = describe_apply_failure(p, stderr)
+        else:
+            p, why = None, f"{v.rel} does not match"
+        raise TorchPatchError(
+            f"patch {p.name if p else '(recorded series)'} does not apply to {t.root}: {why}; the target is "
+            f"not stock torch {EXPECTED_TORCH_VERSION} there (edited by hand, or patched by other means?) "
+            f"— nothing was changed")
+    if not series.patches:
+        log(f"the series in {series.dir} is empty; nothing to apply")
+        return {}
+    if s.leftovers:
+        log(f"note: {', '.join(s.leftovers)} is left over from an earlier apply (torch reinstalled?); "
+            f"applying the whole series again")
+    elif s.state == NOT_APPLIED and recs:
+        log(f"note: the records of an earlier apply in {t.state_dir} are stale (the files were replaced "
+            f"since); applying again")
+    return _apply_series(t, series, exam, version, stage, log)
 
 
 def revert(target: Optional[os.PathLike] = None, *, force: bool = False, allow_system: bool = False,
-           log: Log = _print) -> None:
-    """Restore the byte-identical originals recorded by ``apply`` (verified by sha256).
+           series_dir: Optional[os.PathLike] = None, log: Log = _print) -> None:
+    """Put the stock files back: the byte-identical originals recorded by ``apply`` (verified by
+    sha256), or, for files patched without torch-patch, the result of ``git apply --reverse``.
 
-    Refuses (exit code 2) if a patched file was edited after apply, unless ``force``.
+    Refuses (exit code 2) if a patched file was edited after apply, unless ``force``.  On a
+    target whose torch was uninstalled, removes what torch-patch had left there.
     """
-    t = resolve_target(target, allow_system=allow_system)
-    check_base(t)
-    if not t.state_dir.exists():
-        log(f"not applied to {t.root}; nothing to revert")
+    t = resolve_target(target, allow_system=allow_system, verb="revert")
+    if t.torch_missing:
+        _remove_debris(t, series_dir, log)
         return
-    with _locked(t):
+    check_base(t)
+    series = _series_or_empty(series_dir)
+    require_git()
+    with _locked(t, log=log):
         journal = read_journal(t)
         if journal is not None:
             _resolve_journal(t, journal, "revert", log)
-        state = read_state(t)
-        if state is None:
+        stage = _new_stage(t)
+        try:
+            exam = _Exam(t, series, stage / "exam")
+            names = exam.records["patches"] if exam.records else series.names
+            changed = _revert_files(t, exam, force, stage, log)
+        finally:
+            shutil.rmtree(stage, ignore_errors=True)
+        stale = _drop_records(t)
+        if changed is None:
             if journal is None:
-                log(f"not applied to {t.root}; nothing to revert")
+                note = "; removed the stale records of an earlier apply" if stale else ""
+                log(f"not applied to {t.root}; nothing to revert{note}")
             return
-        _revert_state(t, state, force, log)
+        log(f"reverted {_n(len(names), 'patch')} ({_n(changed, 'file')}) in {t.root}; "
+            f"sha256 of every file matches the original")
+
+
+def _series_or_empty(series_dir: Optional[os.PathLike]) -> Series:
+    """The shipped series, or an empty one if it cannot be read (revert/status then rely on the
+    records alone)."""
+    try:
+        return load_series(series_dir)
+    except TorchPatchError:
+        if series_dir is not None:
+            raise
+        return Series(PATCHES_DIR, [], "")
+
+
+def _remove_debris(t: Target, series_dir: Optional[os.PathLike], log: Log) -> None:
+    """torch was uninstalled: remove the files torch-patch created (if they still hold what it
+    wrote), their bytecode, the state dir, and directories left empty."""
+    series = _series_or_empty(series_dir)
+    with _locked(t, log=log):
+        records = read_state(t)
+        expected: Dict[str, set] = {}
+        for rel, rec in (records or {}).get("files", {}).items():
+            if rec["before"] is None and rec["after"] is not None:
+                expected.setdefault(rel, set()).add(rec["after"])
+        with _scratch() as work:
+            n = 0
+            for rel in series.files:
+                if series.creates(rel) and (t.root / rel).exists():
+                    n += 1
+                    root = work / str(n)
+                    root.mkdir()
+                    ok = all(_git_apply_in(root, p, include=rel, ceiling=work).returncode == 0
+                             for p in series.patches_for(rel))
+                    if ok and (root / rel).exists():
+                        expected.setdefault(rel, set()).add(sha256_file(root / rel))
+        removed, kept = [], []
+        for rel, shas in sorted(expected.items()):
+            path = t.root / rel
+            if not path.exists():
+                continue
+            if sha256_file(path) in shas:
+                path.unlink()
+                removed.append(rel)
+            else:
+                kept.append(rel)
+        _drop_bytecode(t, removed)
+        shutil.rmtree(t.state_dir, ignore_errors=True)
+    for rel in removed:  # directories left empty, up to (and including) torch/
+        d = (t.root / rel).parent
+        while _is_within(d, t.root / "torch"):
+            with contextlib.suppress(OSError):
+                d.rmdir()
+            if d.exists():
+                break
+            d = d.parent
+    what = ", ".join(removed + [t.state_dir.name + "/"])
+    log(f"torch is not installed in {t.root}; removed what torch-patch had left there: {what}")
+    rest = _leftovers(t)
+    if kept or rest:
+        log(f"note: left alone (not written by torch-patch, or edited since): {', '.join(kept + [r for r in rest if r not in kept])}")
 
 
 @dataclasses.dataclass
 class Status:
     code: int
-    state: str  # applied | not applied | modified after apply | interrupted | base mismatch
+    state: str  # applied | not applied | modified after apply | modified | partly applied | interrupted | base mismatch | not installed
     message: str
     target: str
     kind: str
@@ -813,6 +1372,10 @@ class Status:
     patches: List[str]
     modified_files: List[str]
     series_current: Optional[bool]
+    applied_by: Optional[str] = None  # "torch-patch" (its records match the files) | "other" | None
+    leftovers: List[str] = dataclasses.field(default_factory=list)
+    stock_files: Dict[str, str] = dataclasses.field(default_factory=dict)  # rel -> path of a stock copy
+    state_dir: str = ""
 
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -820,64 +1383,129 @@ class Status:
         return d
 
 
+def _stock_copies(t: Target, exam: _Exam) -> Dict[str, Optional[Path]]:
+    """rel -> an on-disk file with the stock bytes, or None if stock torch has no such file.
+    Files for which no stock copy is on disk are left out."""
+    out: Dict[str, Optional[Path]] = {}
+    for v in exam.views():
+        if v.kind == STOCK:
+            out[v.rel] = v.stock_src
+        elif v.kind == PATCHED and v.by == "records":
+            if v.stock_sha is None:
+                out[v.rel] = None
+            elif sha256_file(t.orig_dir / v.rel) == v.stock_sha:
+                out[v.rel] = t.orig_dir / v.rel
+    return out
+
+
 def status(target: Optional[os.PathLike] = None, *, series_dir: Optional[os.PathLike] = None) -> Status:
-    """Report the patch state of TARGET without changing anything (see EXIT_* for codes)."""
+    """Report the patch state of TARGET without changing anything (see EXIT_* for codes).
+    The state is derived from the files (``_Exam``); it waits while another torch-patch is
+    switching the same target over."""
     t = resolve_target(target, require_venv=False)
     version = read_torch_version(t.root)
 
-    def mk(code, state, message, patches=(), modified=(), current=None):
+    def mk(code, state, message, patches=(), modified=(), current=None, **kw):
         return Status(code, state, message, str(t.root), t.kind, version, list(patches), list(modified),
-                      current)
+                      current, state_dir=str(t.state_dir), **kw)
 
+    if t.torch_missing:
+        return mk(EXIT_BASE_MISMATCH, NOT_INSTALLED, "not installed: " + _torch_missing_message(t),
+                  leftovers=_leftovers(t))
     if not base_version_ok(version):
-        return mk(EXIT_BASE_MISMATCH, "base mismatch",
+        return mk(EXIT_BASE_MISMATCH, BASE_MISMATCH,
                   f"base mismatch: found torch {version or 'unknown'}, expected {EXPECTED_TORCH_VERSION}")
-    journal = read_journal(t)
+    series = _series_or_empty(series_dir)
+    with _locked(t, shared=True):
+        journal = read_journal(t)
+        if journal is not None:
+            done, total = _journal_progress(t, journal)
+            if 0 < done < total:
+                names = journal.get("state", {}).get("patches", [])
+                if journal["op"] == "apply":
+                    msg = (f"interrupted (apply of {', '.join(names)}: {done} of {total} files replaced; "
+                           f"`torch-patch apply` finishes it, `torch-patch revert` rolls it back)")
+                else:
+                    msg = (f"interrupted (revert: {done} of {total} files restored; "
+                           f"`torch-patch revert` or `torch-patch apply` finishes it)")
+                return mk(EXIT_INTERRUPTED, INTERRUPTED, msg, names)
+        with _scratch() as work:
+            exam = _Exam(t, series, work)
+            s = exam.summary()
+            copies = {rel: str(p) for rel, p in _stock_copies(t, exam).items() if p is not None}
+    message = s.message
     if journal is not None:
-        done = sum(1 for rel, rec in journal["files"].items() if sha256_file(t.root / rel) == rec["after"])
-        total = len(journal["files"])
-        names = journal.get("state", {}).get("patches", [])
-        if journal["op"] == "apply":
-            msg = (f"interrupted (apply of {', '.join(names)}: {done} of {total} files replaced; "
-                   f"`torch-patch apply` finishes it, `torch-patch revert` rolls it back)")
-        else:
-            msg = (f"interrupted (revert: {done} of {total} files restored; "
-                   f"`torch-patch revert` or `torch-patch apply` finishes it)")
-        return mk(EXIT_INTERRUPTED, "interrupted", msg, names)
-    state = read_state(t)
-    if state is None:
-        return mk(EXIT_NOT_APPLIED, "not applied", "not applied")
-    current = None
-    with contextlib.suppress(TorchPatchError):
-        current = load_series(series_dir).id == state["series_id"]
-    mod = modified_files(t, state)
-    if mod:
-        return mk(EXIT_MODIFIED, "modified after apply", f"modified after apply ({', '.join(mod)})",
-                  state["patches"], mod, current)
-    msg = f"applied ({', '.join(state['patches'])})"
-    if current is False:
-        msg += " — an older/different series than this torch_patch ships; `torch-patch apply --reapply`"
-    return mk(EXIT_APPLIED, "applied", msg, state["patches"], (), current)
+        message += (" (a torch-patch run was killed before it finished its bookkeeping; the next "
+                    "`torch-patch apply` or `revert` completes it)")
+    return mk(s.code, s.state, message, s.patches, s.modified, s.current, applied_by=s.applied_by,
+              leftovers=s.leftovers, stock_files=copies)
 
 
 # --------------------------------------------------------------------------------------------
-# stock files (used by dev and export)
+# stock files (used by dev and export, and by `torch-patch stock-file`)
 
 
-def load_record(root: Path) -> Dict[str, str]:
-    """rel path -> sha256 hex from the torch wheel's dist-info RECORD (torch/ entries only)."""
+def load_record(root: Path, only: Optional[Iterable[str]] = None) -> Dict[str, str]:
+    """rel path -> sha256 hex from the torch wheel's dist-info RECORD (torch/ entries only;
+    with ``only``, just those paths)."""
     di = find_dist_info(root)
     if di is None or not (di / "RECORD").is_file():
         raise TorchPatchError(f"no torch-*.dist-info/RECORD in {root}; cannot verify stock files "
                               f"(point --from at a pip-installed torch=={EXPECTED_TORCH_VERSION})")
     import base64
     import csv
+    wanted = set(only) if only is not None else None
     out = {}
     with open(di / "RECORD", newline="", encoding="utf-8") as f:
         for row in csv.reader(f):
-            if len(row) >= 2 and row[0].startswith("torch/") and row[1].startswith("sha256="):
+            if len(row) >= 2 and row[0].startswith("torch/") and row[1].startswith("sha256=") and \
+                    (wanted is None or row[0] in wanted):
                 b64 = row[1][len("sha256="):]
                 out[row[0]] = base64.urlsafe_b64decode(b64 + "=" * (-len(b64) % 4)).hex()
+    return out
+
+
+def stock_files(t: Target, rels: Optional[Iterable[str]] = None, record: Optional[Dict[str, str]] = None,
+                series: Optional[Series] = None) -> Dict[str, Optional[Path]]:
+    """rel -> path of an on-disk copy of the stock (unpatched) ``rel`` in target ``t``, or None
+    if stock torch has no such file.  ``rels`` defaults to every file the series or the records
+    of an earlier apply touch.  Uses the shipped series (or ``series``) and the records to tell
+    stock from patched files; verified against the wheel's RECORD when given.  Raises
+    TorchPatchError if a file's stock bytes are not on disk."""
+    series = series if series is not None else _series_or_empty(None)
+    if t.torch_missing:
+        raise TorchPatchError(_torch_missing_message(t), EXIT_BASE_MISMATCH)
+    out: Dict[str, Optional[Path]] = {}
+    with _locked(t, shared=True):
+        journal = read_journal(t)
+        if journal is not None and 0 < _journal_progress(t, journal)[0] < len(journal["files"]):
+            raise TorchPatchError(f"an interrupted torch-patch operation is pending in {t.root}; "
+                                  f"run `torch-patch apply` or `torch-patch revert` there first", EXIT_INTERRUPTED)
+        with _scratch() as work:
+            exam = _Exam(t, series, work, record)
+            copies = _stock_copies(t, exam)
+            for rel in dict.fromkeys(rels if rels is not None else exam.files):
+                v = exam.files.get(rel)
+                if v is None:
+                    out[rel] = t.root / rel if (t.root / rel).exists() else None
+                elif rel in copies:
+                    out[rel] = copies[rel]
+                elif v.kind == PATCHED:
+                    raise TorchPatchError(
+                        f"no stock copy of {rel} on disk: {t.root / rel} is patched, but not by torch-patch "
+                        f"(no saved original); take it from git (`git show v{EXPECTED_TORCH_VERSION}:{rel}`) "
+                        f"or the wheel")
+                else:
+                    raise TorchPatchError(
+                        f"{t.root / rel} is neither the stock torch {EXPECTED_TORCH_VERSION} file nor patched "
+                        f"by the series; no stock copy of it is on disk (pip install --force-reinstall "
+                        f"torch=={EXPECTED_TORCH_VERSION})")
+    if record is not None:
+        for rel, path in out.items():
+            if path is not None and rel in record and sha256_file(path) != record[rel]:
+                raise TorchPatchError(
+                    f"{path} is not the stock torch {EXPECTED_TORCH_VERSION} file (sha256 differs from the "
+                    f"wheel's RECORD); pip install --force-reinstall torch=={EXPECTED_TORCH_VERSION}")
     return out
 
 
@@ -885,16 +1513,36 @@ def stock_file(t: Target, rel: str, record: Optional[Dict[str, str]] = None) -> 
     """Path of the stock (unpatched) copy of ``rel`` in target ``t``: the original saved by
     ``apply`` if the file is patched, else the file itself.  None if stock torch has no such file.
     Verified against RECORD when given."""
-    state = read_state(t)
-    if state is not None and rel in state["files"]:
-        if state["files"][rel]["before"] is None:
-            return None
-        path = t.orig_dir / rel
+    return stock_files(t, [rel], record)[rel]
+
+
+def stock_file_path(path: str, target: Optional[os.PathLike] = None) -> Path:
+    """`torch-patch stock-file PATH [TARGET]`: the absolute path of an on-disk copy of the stock
+    v2.13.0 version of PATH (relative to the target, like ``torch/utils/_pytree.py``, or an
+    absolute path inside it)."""
+    t = resolve_target(target, require_venv=False)
+    p = Path(path).expanduser()
+    if p.is_absolute():
+        try:
+            try:
+                rel = Path(os.path.abspath(p)).relative_to(t.root).as_posix()
+            except ValueError:
+                rel = (p.parent.resolve() / p.name).relative_to(t.root).as_posix()
+        except ValueError:
+            raise TorchPatchError(f"{p} is not inside the target {t.root}; pass a path like "
+                                  f"torch/utils/_pytree.py (relative to the target) or a TARGET that contains it")
     else:
-        path = t.root / rel
-        if not path.exists():
-            return None
-    if record is not None and rel in record and sha256_file(path) != record[rel]:
-        raise TorchPatchError(f"{path} is not the stock torch {EXPECTED_TORCH_VERSION} file (sha256 differs "
-                              f"from the wheel's RECORD); pip install --force-reinstall torch=={EXPECTED_TORCH_VERSION}")
-    return path
+        rel = p.as_posix()
+        if not rel.startswith("torch/"):
+            raise TorchPatchError(f"{path} is not a path of the torch package; pass it relative to the "
+                                  f"target, like torch/utils/_pytree.py")
+    check_base(t)
+    record = None
+    if t.kind == "installed":
+        with contextlib.suppress(TorchPatchError):
+            record = load_record(t.root)
+    got = stock_files(t, [rel], record)[rel]
+    if got is None:
+        raise TorchPatchError(f"stock torch {EXPECTED_TORCH_VERSION} has no {rel} "
+                              f"({'the series adds it' if _series_or_empty(None).creates(rel) else f'no such file in {t.root}'})")
+    return Path(os.path.abspath(got))

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from .core import (EXPECTED_TORCH_VERSION, PATCHES_DIR, Log, TorchPatchError, _print, check_base,
-                   git_env, load_record, load_series, patch_files, read_journal, read_series_names,
-                   read_state, require_git, resolve_target, run_git, sha256_file, stock_file)
+                   git_env, load_record, load_series, patch_files, read_series_names, require_git,
+                   resolve_target, run_git, sha256_file, stock_files)
 
 BASE_TAG = f"v{EXPECTED_TORCH_VERSION}"
 BASE_MESSAGE = f"PyTorch {BASE_TAG} (python sources of the torch=={EXPECTED_TORCH_VERSION} wheel)"
@@ -89,24 +89,22 @@ def dev_create(dev_dir: os.PathLike, *, source: Optional[os.PathLike] = None,
     series = load_series(series_dir)
     src = resolve_target(source, require_venv=False)
     check_base(src)
-    if read_journal(src) is not None:
-        raise TorchPatchError(f"an interrupted torch-patch operation is pending in {src.root}; "
-                              f"run `torch-patch apply` or `torch-patch revert` there first")
     record = load_record(src.root)
-    state = read_state(src) or {"files": {}}
+    # the installed torch may be patched: which files, and where their stock bytes are, is
+    # decided from the files (the originals saved by apply, or the files themselves)
+    stock = stock_files(src, None, series=series)
     created = not dev_dir.exists()
     try:
         log(f"copying {src.root / 'torch'} to {dev_dir / 'torch'} (stock files, no __pycache__)…")
         shutil.copytree(src.root / "torch", dev_dir / "torch", ignore=_ignore_pycache, symlinks=True,
                         dirs_exist_ok=True)
-        # the installed torch may be patched: put the stock originals back
-        for rel in state["files"]:
-            stock = stock_file(src, rel)
+        # put the stock originals back where the installed torch is patched
+        for rel, path in stock.items():
             dst = dev_dir / rel
-            if stock is None:
+            if path is None:
                 dst.unlink(missing_ok=True)
-            else:
-                shutil.copyfile(stock, dst)
+            elif path != src.root / rel:
+                shutil.copyfile(path, dst)
         bad, unlisted = [], []
         for path in sorted((dev_dir / "torch").rglob("*.py")):
             rel = path.relative_to(dev_dir).as_posix()

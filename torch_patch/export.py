@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import tempfile
 from pathlib import Path
 from typing import List, Optional
 
-from .core import (EXPECTED_TORCH_VERSION, PATCHES_DIR, Log, TorchPatchError, _print, check_base,
-                   git_env, load_record, load_series, require_git, resolve_target, run_git,
-                   stock_file)
+from .core import (PATCHES_DIR, Log, TorchPatchError, _print, check_base, git_env, load_record,
+                   load_series, require_git, resolve_target, run_git, stock_files)
 from .dev import BASE_MESSAGE, BASE_TAG, FIXED_IDENTITY, _git_commit_all, format_patches, git_am
 from .upstream import BENCHMARKS_COMMIT_MESSAGE, TESTS_COMMIT_MESSAGE
 
@@ -73,8 +71,7 @@ def export(outdir: os.PathLike, *, force: bool = False, series_dir: Optional[os.
     with tempfile.TemporaryDirectory(prefix="torch-patch-export-") as tmp:
         work = Path(tmp) / "pytorch"
         work.mkdir()
-        for rel in series.files:
-            stock = stock_file(src, rel, record)
+        for rel, stock in stock_files(src, series.files, record, series=series).items():
             if stock is not None:
                 (work / rel).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(stock, work / rel)
