@@ -13,14 +13,22 @@ Each implementation is given as ``NAME=PYTHON`` or ``NAME=PYTHON:PYTHONPATH``::
         --impl base=/path/to/base-venv/bin/python \\
         --impl head=/path/to/head-venv/bin/python
 
-    # a dev tree that shadows the venv's torch through PYTHONPATH
+    # a dev tree that shadows a stock venv's torch through PYTHONPATH
     python benchmarks/pytree/compile_time_bench.py \\
-        --impl stock=.venv/bin/python --impl patched=.venv/bin/python:$HOME/torch-dev
+        --impl stock=/path/to/stock-venv/bin/python \\
+        --impl patched=/path/to/stock-venv/bin/python:$HOME/torch-dev
 
 The first implementation is the baseline of the ratios. The measured function
 maps over a pytree of 100 tensors (``tree_map``) and over a list of 100 tensors
 (``tree_flatten`` / ``tree_unflatten``); every measurement resets Dynamo first
 and compiles with ``backend="eager"``, so only tracing time is measured.
+
+Before timing, each implementation's torch is fingerprinted (sha256 of the
+sources this benchmark exercises: ``torch/utils/*pytree*.py`` and
+``torch/_dynamo/**/*.py``), without importing it. If two implementations have
+the same fingerprint, they are the same build (for example a venv whose torch
+was patched in place, passed as the stock baseline): the script refuses with
+exit status 2, unless ``--allow-same`` (a deliberate noise measurement).
 """
 
 from __future__ import annotations
@@ -59,20 +67,54 @@ def _child(repeats: int) -> None:
     print(json.dumps({"times": times[1:], "torch": torch.__file__}))
 
 
-def _run(python: str, pythonpath: str | None, repeats: int) -> dict:
+def _fingerprint() -> None:
+    """Print the torch this interpreter would import and a sha256 over the sources the
+    benchmark exercises (without importing torch)."""
+    import hashlib
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.origin or not spec.origin.endswith("__init__.py"):
+        print(json.dumps({"error": f"no torch importable by {sys.executable}"}))
+        return
+    root = Path(spec.origin).parent
+    files = sorted(root.glob("utils/*pytree*.py")) + sorted(root.glob("_dynamo/**/*.py"))
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.relative_to(root).as_posix().encode() + b"\0" + hashlib.sha256(f.read_bytes()).digest())
+    pytree_src = (root / "utils" / "_pytree.py").read_text(encoding="utf-8", errors="replace")
+    print(json.dumps({
+        "torch": str(root),
+        "fingerprint": h.hexdigest(),
+        "files": len(files),
+        "has_register_pytree_family": "def register_pytree_family(" in pytree_src,
+    }))
+
+
+def _env(pythonpath: str | None) -> dict:
     env = dict(os.environ)
     if pythonpath:
         env["PYTHONPATH"] = pythonpath
     else:
         env.pop("PYTHONPATH", None)
-    out = subprocess.run(
-        [python, os.path.abspath(__file__), "--child", "--repeats", str(repeats)],
-        env=env,
-        check=True,
+    return env
+
+
+def _run(python: str, pythonpath: str | None, repeats: int, *, fingerprint: bool = False) -> dict:
+    args = ["--fingerprint"] if fingerprint else ["--child", "--repeats", str(repeats)]
+    proc = subprocess.run(
+        [python, os.path.abspath(__file__), *args],
+        env=_env(pythonpath),
         capture_output=True,
         text=True,
-    ).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    )
+    if proc.returncode != 0:
+        sys.exit(
+            f"error: {python} {' '.join(args)} failed (exit {proc.returncode}):\n"
+            f"{proc.stderr.strip()}"
+        )
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,10 +128,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--rounds", type=int, default=5, help="child processes per implementation")
     parser.add_argument("--repeats", type=int, default=5, help="compiles per child process")
+    parser.add_argument(
+        "--allow-same",
+        action="store_true",
+        help="time implementations even if they are the same build (a noise measurement)",
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--fingerprint", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         _child(args.repeats)
+        return 0
+    if args.fingerprint:
+        _fingerprint()
         return 0
     if len(args.impl) < 2:
         parser.error("give at least two --impl NAME=PYTHON[:PYTHONPATH]")
@@ -100,6 +151,33 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--impl {spec!r}: expected NAME=PYTHON[:PYTHONPATH]")
         python, _, pythonpath = rest.partition(":")
         impls.append((name, python, pythonpath or None))
+    if len({name for name, _, _ in impls}) != len(impls):
+        parser.error("every --impl needs its own NAME")
+
+    seen: dict[str, str] = {}
+    for name, python, pythonpath in impls:
+        fp = _run(python, pythonpath, 0, fingerprint=True)
+        if "error" in fp:
+            print(f"error: --impl {name}: {fp['error']}", file=sys.stderr)
+            return 2
+        print(
+            f"{name}: torch at {fp['torch']} (sources {fp['fingerprint'][:12]}, "
+            f"register_pytree_family: {'yes' if fp['has_register_pytree_family'] else 'no'})",
+            file=sys.stderr,
+        )
+        same = seen.get(fp["fingerprint"])
+        if same is not None:
+            msg = (
+                f"--impl {same} and --impl {name} run identical pytree and Dynamo sources "
+                f"(sha256 {fp['fingerprint'][:12]}), so their ratio would compare a build with "
+                f"itself. Was a venv patched in place and then given as the stock baseline? Use a "
+                f"venv with stock torch for the baseline."
+            )
+            if not args.allow_same:
+                print(f"error: {msg} (--allow-same times them anyway)", file=sys.stderr)
+                return 2
+            print(f"warning: {msg} (timing anyway: --allow-same)", file=sys.stderr)
+        seen.setdefault(fp["fingerprint"], name)
 
     medians: dict[str, list[float]] = {name: [] for name, _, _ in impls}
     for r in range(args.rounds):
