@@ -118,6 +118,7 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("path", metavar="PATH",
                    help="the file, relative to the target (torch/utils/_pytree.py) or an absolute path in it")
     f.add_argument("target", nargs="?", metavar="TARGET", help=TARGET_HELP)
+    f.add_argument("--series", metavar="DIR", help=SERIES_HELP + " (to recognise patched files)")
 
     e = sub.add_parser("export", formatter_class=_Formatter, epilog=EXIT_CODES,
                        help="write the upstream-ready series (library + tests + benchmarks)",
@@ -172,7 +173,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 print(st.message)
             return st.code
         elif args.verb == "stock-file":
-            print(core.stock_file_path(args.path, args.target))
+            print(core.stock_file_path(args.path, args.target, series_dir=args.series))
         elif args.verb == "export":
             from .export import export
             export(args.outdir, force=args.force, series_dir=args.series, repo=args.repo, source=args.source)

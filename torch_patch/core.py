@@ -338,7 +338,9 @@ def installed_torch_root() -> Optional[Path]:
     if spec is None:
         return None
     if spec.origin and spec.origin not in ("namespace", "built-in"):
-        return Path(spec.origin).resolve().parent.parent
+        # resolve the package directory, not torch/__init__.py: a symlinked file must not move
+        # the target to wherever the link points
+        return Path(spec.origin).parent.resolve().parent
     if spec.submodule_search_locations:
         return Path(list(spec.submodule_search_locations)[0]).resolve().parent
     return None
@@ -1346,19 +1348,27 @@ def _remove_debris(t: Target, series_dir: Optional[os.PathLike], log: Log) -> No
                 kept.append(rel)
         _drop_bytecode(t, removed)
         shutil.rmtree(t.state_dir, ignore_errors=True)
-    for rel in removed:  # directories left empty, up to (and including) torch/
-        d = (t.root / rel).parent
-        while _is_within(d, t.root / "torch"):
-            with contextlib.suppress(OSError):
-                d.rmdir()
-            if d.exists():
-                break
-            d = d.parent
+    _prune_empty_dirs(t.root / "torch")
     what = ", ".join(removed + [t.state_dir.name + "/"])
     log(f"torch is not installed in {t.root}; removed what torch-patch had left there: {what}")
     rest = _leftovers(t)
     if kept or rest:
         log(f"note: left alone (not written by torch-patch, or edited since): {', '.join(kept + [r for r in rest if r not in kept])}")
+
+
+def _prune_empty_dirs(top: Path) -> None:
+    """Bottom-up: drop bytecode whose module is gone, then empty directories, ``top`` included
+    (what `pip uninstall` leaves of a package; any directory with a real file stays)."""
+    if not top.is_dir() or top.is_symlink():
+        return
+    for dirpath, dirnames, filenames in os.walk(top, topdown=False):
+        d = Path(dirpath)
+        if d.name == "__pycache__":
+            for name in filenames:
+                if name.endswith(".pyc") and not (d.parent / (name.split(".", 1)[0] + ".py")).exists():
+                    (d / name).unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            d.rmdir()  # fails unless empty
 
 
 @dataclasses.dataclass
@@ -1516,7 +1526,8 @@ def stock_file(t: Target, rel: str, record: Optional[Dict[str, str]] = None) -> 
     return stock_files(t, [rel], record)[rel]
 
 
-def stock_file_path(path: str, target: Optional[os.PathLike] = None) -> Path:
+def stock_file_path(path: str, target: Optional[os.PathLike] = None, *,
+                    series_dir: Optional[os.PathLike] = None) -> Path:
     """`torch-patch stock-file PATH [TARGET]`: the absolute path of an on-disk copy of the stock
     v2.13.0 version of PATH (relative to the target, like ``torch/utils/_pytree.py``, or an
     absolute path inside it)."""
@@ -1541,8 +1552,9 @@ def stock_file_path(path: str, target: Optional[os.PathLike] = None) -> Path:
     if t.kind == "installed":
         with contextlib.suppress(TorchPatchError):
             record = load_record(t.root)
-    got = stock_files(t, [rel], record)[rel]
+    series = _series_or_empty(series_dir)
+    got = stock_files(t, [rel], record, series=series)[rel]
     if got is None:
         raise TorchPatchError(f"stock torch {EXPECTED_TORCH_VERSION} has no {rel} "
-                              f"({'the series adds it' if _series_or_empty(None).creates(rel) else f'no such file in {t.root}'})")
+                              f"({'the series adds it' if series.creates(rel) else f'no such file in {t.root}'})")
     return Path(os.path.abspath(got))
