@@ -5,7 +5,8 @@
   the stock versions of the files touched by the test series and by the real series.  Copying
   the whole 750 MB package per test would be far too slow; it is built once per session from
   the torch installed in this venv (stock copies, verified against RECORD, even if that torch
-  is patched).
+  is patched).  Tests that need a whole importable torch (pip uninstall, the documented
+  benchmark commands) use ``tp_helpers.stock_torch_farm``, a symlink copy of it.
 * ``test_series``: a tiny series made by real git commits in a dev tree created by
   ``torch_patch.dev_create`` from the template and exported by ``torch_patch.dev_export``, so
   these tests do not depend on the content of the real series.
@@ -30,8 +31,8 @@ def template(tmp_path_factory) -> Path:
     (root / di.name).mkdir(parents=True)
     for name in ("METADATA", "RECORD"):
         shutil.copyfile(di / name, root / di.name / name)
-    for rel in dict.fromkeys(BASE_FILES + TEST_FILES + real_series_files()):
-        stock = core.stock_file(src, rel, record)
+    rels = list(dict.fromkeys(BASE_FILES + TEST_FILES + real_series_files()))
+    for rel, stock in core.stock_files(src, rels, record).items():
         if stock is not None:
             (root / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(stock, root / rel)

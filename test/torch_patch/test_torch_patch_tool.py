@@ -483,7 +483,7 @@ def test_real_series_apply_revert(target):
     assert tree_digest(target) == before
 
 
-@pytest.mark.parametrize("verb", [None, "apply", "revert", "status", "export", "dev"])
+@pytest.mark.parametrize("verb", [None, "apply", "revert", "status", "stock-file", "export", "dev"])
 def test_help(verb):
     r = run_cli(*([verb] if verb else []), "--help")
     assert r.returncode == 0 and "usage: torch-patch" in r.stdout
