@@ -410,6 +410,45 @@ class TestPytreeFamilyResolution(FamilyTestCase):
             self.assertEqual(len(py_pytree.tree_leaves(tree)), 4)
 
 
+    @parametrize(
+        "pair",
+        [
+            subtest((py_pytree, cxx_pytree), name="py_cxx"),
+            subtest((cxx_pytree, cxx_pytree), name="cxx_cxx"),
+        ],
+    )
+    def test_threads_meet_a_new_member_at_once(self, pair: Any) -> None:
+        # Two threads flatten the same never-seen family member at the same
+        # time: both must see a node, in every round.
+        @dataclasses.dataclass
+        class Base:
+            x: Any
+            y: Any = None
+
+        self.register_family(Base)
+        rounds = 300
+        barrier = threading.Barrier(2)
+        classes: list[Any] = [None]
+        results: list[list[Any]] = [[], []]
+
+        def run(i: int) -> None:
+            for r in range(rounds):
+                if i == 0:
+                    classes[0] = dataclasses.make_dataclass(f"M{r}", [], bases=(Base,))
+                barrier.wait()
+                results[i].append(pair[i].tree_leaves([classes[0](r, (r,))]))
+                barrier.wait()
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        for i in range(2):
+            wrong = [r for r, leaves in enumerate(results[i]) if leaves != [r, r]]
+            self.assertEqual(wrong, [], f"thread {i} got leaves instead of nodes")
+            self.assertEqual(len(results[i]), rounds)
+
     def test_stress_registration_while_flattening(self) -> None:
         # 8 threads for a bounded time: two (de)register a family and an exact
         # node, six flatten, unflatten and map with both pytrees, on members of
