@@ -219,12 +219,13 @@ def test_waiting_apply_reports_that_it_waits(target, test_series):
 
 
 # ------------------------------------------------------------------------------------------
-# 4. pip uninstall torch after apply (a real pip, on a stock torch farm)
+# 4. pip uninstall torch after apply (a real pip, on the stand-in torch in a venv)
 
 
-def test_pip_uninstall_after_apply_leaves_nothing_after_revert(tmp_path):
+def test_pip_uninstall_after_apply_leaves_nothing_after_revert(tmp_path, template):
     venv = tmp_path / "venv"
-    site = stock_torch_farm(make_venv(venv))
+    site = make_venv(venv)
+    shutil.copytree(template, site, dirs_exist_ok=True)  # pip uninstalls what its RECORD lists
     py = venv / "bin" / "python"
     r = run_cli("apply", site)
     assert r.returncode == 0, r.stderr
