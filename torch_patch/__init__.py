@@ -1,18 +1,18 @@
 """torch_patch: ship and apply the pytree-family patch series for PyTorch v2.13.0.
 
-Every CLI verb is a function here: ``apply``, ``revert``, ``status``, ``export``, ``dev_create``,
-``dev_export``.  Importing this package does not import torch.
+Every CLI verb is a function here: ``apply``, ``revert``, ``status``, ``stock_file_path``,
+``export``, ``dev_create``, ``dev_export``.  Importing this package does not import torch.
 """
 
 from .core import (EXIT_APPLIED, EXIT_BASE_MISMATCH, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_MODIFIED,
-                   EXIT_NOT_APPLIED, EXPECTED_TORCH_VERSION, PATCHES_DIR, Status, TorchPatchError,
-                   apply, load_series, revert, status)
+                   EXIT_NOT_APPLIED, EXIT_SIGINT, EXPECTED_TORCH_VERSION, PATCHES_DIR, Status,
+                   TorchPatchError, apply, load_series, revert, status, stock_file_path)
 from .dev import dev_create, dev_export
 from .export import export
 
 __all__ = [
-    "apply", "revert", "status", "export", "dev_create", "dev_export", "load_series",
+    "apply", "revert", "status", "stock_file_path", "export", "dev_create", "dev_export", "load_series",
     "Status", "TorchPatchError", "EXPECTED_TORCH_VERSION", "PATCHES_DIR",
     "EXIT_APPLIED", "EXIT_NOT_APPLIED", "EXIT_MODIFIED", "EXIT_BASE_MISMATCH", "EXIT_INTERRUPTED",
-    "EXIT_ERROR",
+    "EXIT_ERROR", "EXIT_SIGINT",
 ]

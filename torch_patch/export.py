@@ -103,12 +103,16 @@ def export(outdir: os.PathLike, *, force: bool = False, series_dir: Optional[os.
             run_git(["add", "-f", "--", *files], work, env=env)
             run_git(["commit", "-q", "--no-verify", "-m", template.format(test_plan=_test_plan(files, kind))],
                     work, env=git_env(identity))
+        # written next to the work tree first, so a failure leaves OUTDIR as it was
+        staged = Path(tmp) / "out"
+        names = [p.name for p in format_patches(work, f"{BASE_TAG}..HEAD", staged)]
+        (staged / "series").write_text("".join(f"{n}\n" for n in names), encoding="utf-8")
         outdir.mkdir(parents=True, exist_ok=True)
         if force:
             for old in list(outdir.glob("*.patch")) + [outdir / "series"]:
                 old.unlink(missing_ok=True)
-        names = [p.name for p in format_patches(work, f"{BASE_TAG}..HEAD", outdir)]
-    (outdir / "series").write_text("".join(f"{n}\n" for n in names), encoding="utf-8")
+        for name in names + ["series"]:
+            shutil.copyfile(staged / name, outdir / name)
     log(f"exported {len(names)} patch(es) to {outdir} ({len(series.patches)} library, "
         f"{len(test_files)} test file(s), {len(bench_files)} benchmark file(s))")
     log(f"  on a PyTorch {BASE_TAG} checkout:  git am --keep-non-patch {outdir}/*.patch")
