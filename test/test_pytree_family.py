@@ -137,10 +137,14 @@ class TestPytreeFamilyAPI(FamilyTestCase):
 
     def test_double_registration(self) -> None:
         self.register_family(PointBase)
-        with self.assertRaisesRegex(ValueError, "already registered as a pytree family"):
+        with self.assertRaisesRegex(
+            ValueError, "already registered as a pytree family"
+        ):
             py_pytree.register_pytree_family(PointBase)
         self.register_family("some_unimported_package.outputs:Out")
-        with self.assertRaisesRegex(ValueError, "already registered as a pytree family"):
+        with self.assertRaisesRegex(
+            ValueError, "already registered as a pytree family"
+        ):
             py_pytree.register_pytree_family("some_unimported_package.outputs:Out")
 
     def test_deregister_unknown(self) -> None:
@@ -316,7 +320,8 @@ class TestPytreeFamilyResolution(FamilyTestCase):
         gc.collect()
         self.assertEqual([r for r in refs if r() is not None], [])
         self.assertEqual(
-            len(py_pytree._WEAK_NODE_TYPE_CACHE), len(py_pytree._WEAK_NODE_TYPE_CACHE_REFS)
+            len(py_pytree._WEAK_NODE_TYPE_CACHE),
+            len(py_pytree._WEAK_NODE_TYPE_CACHE_REFS),
         )
 
     def test_family_members_are_freed_with_their_family(self) -> None:
@@ -408,7 +413,6 @@ class TestPytreeFamilyResolution(FamilyTestCase):
         self.assertEqual(errors, [])
         for tree in trees:
             self.assertEqual(len(py_pytree.tree_leaves(tree)), 4)
-
 
     @parametrize(
         "pair",
@@ -505,7 +509,9 @@ class TestPytreeFamilyResolution(FamilyTestCase):
                 while time.monotonic() < deadline:
                     pytree = (py_pytree, cxx_pytree)[(seed + n) % 2]
                     member_cls = (
-                        dataclasses.make_dataclass(f"New{seed}_{n}", [], bases=(StableBase,))
+                        dataclasses.make_dataclass(
+                            f"New{seed}_{n}", [], bases=(StableBase,)
+                        )
                         if n % 5 == 0
                         else StableBase
                     )
@@ -529,7 +535,7 @@ class TestPytreeFamilyResolution(FamilyTestCase):
                         if leaves not in ([obj, n], [n, n]):
                             errors.append(f"{pytree.__name__}: {obj} gave {leaves}")
                     n += 1
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 errors.append(f"{type(e).__name__}: {e}")
             with lock:
                 counts.append(n)
@@ -544,7 +550,9 @@ class TestPytreeFamilyResolution(FamilyTestCase):
             t.join(timeout=60)
         self.assertFalse(any(t.is_alive() for t in threads), "a thread hangs")
         if errors:
-            self.fail(f"{len(errors)} errors, the first ones:\n" + "\n".join(errors[:5]))
+            self.fail(
+                f"{len(errors)} errors, the first ones:\n" + "\n".join(errors[:5])
+            )
         self.assertEqual(len(counts), 6)
         self.assertGreater(min(counts), 10)
 
@@ -587,7 +595,10 @@ TreeSpec(EncoderOutput, ['last_hidden_state', 'attentions'], [*,
             """[1, {"type": "EncoderOutput", "context": "[\\"last_hidden_state\\", \\"attentions\\"]", "children_spec": [{"type": null, "context": null, "children_spec": []}, {"type": "builtins.tuple", "context": "null", "children_spec": [{"type": null, "context": null, "children_spec": []}, {"type": null, "context": null, "children_spec": []}]}]}]""",  # noqa: B950
         )
         self.assertEqual(py_pytree.treespec_loads(py_pytree.treespec_dumps(spec)), spec)
-        self.assertEqual(cxx_pytree.treespec_dumps(cxx_pytree.tree_structure(out)), py_pytree.treespec_dumps(spec))
+        self.assertEqual(
+            cxx_pytree.treespec_dumps(cxx_pytree.tree_structure(out)),
+            py_pytree.treespec_dumps(spec),
+        )
 
     def test_extra_and_dropped_keys_round_trip(self) -> None:
         self.register_family(ModelOutputLike)
@@ -596,7 +607,9 @@ TreeSpec(EncoderOutput, ['last_hidden_state', 'attentions'], [*,
         leaves, spec = py_pytree.tree_flatten(out)
         self.assertEqual(leaves, [1, 2])
         rebuilt = py_pytree.tree_unflatten(leaves, spec)
-        self.assertEqual(list(rebuilt.items()), [("last_hidden_state", 1), ("extra", 2)])
+        self.assertEqual(
+            list(rebuilt.items()), [("last_hidden_state", 1), ("extra", 2)]
+        )
         # A mapped value that becomes None keeps its key.
         mapped = py_pytree.tree_map(lambda v: None if v == 1 else v, out)
         self.assertEqual(sorted(mapped.keys()), ["extra", "last_hidden_state"])
@@ -815,7 +828,9 @@ class TestPytreeFamilySpecs(FamilyTestCase):
             w: Any = None
 
         tree = {
-            "out": LateOutput(last_hidden_state=1, logits=[2, LatePoint(3, None, 4, 5)]),
+            "out": LateOutput(
+                last_hidden_state=1, logits=[2, LatePoint(3, None, 4, 5)]
+            ),
             "p": (LatePoint(6), None),
         }
         leaves, spec = pytree.tree_flatten(tree)
@@ -1018,7 +1033,9 @@ class TestPytreeFamilySerialization(FamilyTestCase):
         )
         # A module that does not exist: only its parent package, found while
         # looking for it.
-        self.assertEqual(self._loads_new_modules("familypkg.missing.Out"), {"familypkg"})
+        self.assertEqual(
+            self._loads_new_modules("familypkg.missing.Out"), {"familypkg"}
+        )
         self.assertEqual(
             self._loads_new_modules("familypkg.base.Out.Inner.Deeper"), {"familypkg"}
         )
@@ -1031,9 +1048,10 @@ class TestPytreeFamilySerialization(FamilyTestCase):
 
     def test_loads_of_a_member_imports_only_its_module(self) -> None:
         self.register_family("familypkg.base:Base")
-        self.assertEqual(self._loads_new_modules("familypkg.outputs.Nope"), {
-            "familypkg", "familypkg.base", "familypkg.outputs"
-        })
+        self.assertEqual(
+            self._loads_new_modules("familypkg.outputs.Nope"),
+            {"familypkg", "familypkg.base", "familypkg.outputs"},
+        )
         self._forget_modules()
         before = set(sys.modules)
         spec = py_pytree.treespec_loads(self._spec_json("familypkg.outputs.Out"))
@@ -1066,10 +1084,13 @@ class TestPytreeFamilySerialization(FamilyTestCase):
 
 # Functions of (pytree module, tree) that call one entry point each; compiled
 # with fullgraph=True they must trace one graph and agree with eager.
+def _flatten_add_one_unflatten(pytree: Any, tree: Any) -> Any:
+    leaves, spec = pytree.tree_flatten(tree)
+    return pytree.tree_unflatten([v + 1 for v in leaves], spec)
+
+
 _ENTRY_POINT_FNS: dict[str, Any] = {
-    "tree_flatten": lambda m, t: m.tree_unflatten(
-        *reversed((lambda lv, sp: ([v + 1 for v in lv], sp))(*m.tree_flatten(t)))
-    ),
+    "tree_flatten": _flatten_add_one_unflatten,
     "tree_leaves": lambda m, t: [v * 2 for v in m.tree_leaves(t)],
     "tree_iter": lambda m, t: [v * 2 for v in m.tree_iter(t)],
     "tree_structure": lambda m, t: m.tree_unflatten(

@@ -43,12 +43,15 @@ import statistics
 import sys
 import time
 import timeit
-from collections.abc import Callable
-from typing import Any
+from typing import Any, TYPE_CHECKING
 
 import torch
 import torch.utils._cxx_pytree as cxx_pytree
 import torch.utils._pytree as py_pytree
+
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 
 OPS: dict[str, Callable[[Any, Any], Any]] = {
@@ -70,7 +73,9 @@ def load_baseline(path: str) -> Any:
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     if hasattr(module, "register_pytree_family"):
-        raise SystemExit(f"{path} is not a stock _cxx_pytree.py (it has register_pytree_family)")
+        raise SystemExit(
+            f"{path} is not a stock _cxx_pytree.py (it has register_pytree_family)"
+        )
     return module
 
 
@@ -79,7 +84,11 @@ def gated_cases() -> dict[str, Any]:
         "list_1000": [torch.ones(1) for _ in range(1000)],
         "dict_1000": {f"k{i}": torch.ones(1) for i in range(1000)},
         "nested_100x{a,b:(2),c:[3]}": [
-            {"a": torch.ones(1), "b": (torch.ones(1), torch.ones(1)), "c": [torch.ones(1)] * 3}
+            {
+                "a": torch.ones(1),
+                "b": (torch.ones(1), torch.ones(1)),
+                "c": [torch.ones(1)] * 3,
+            }
             for _ in range(100)
         ],
     }
@@ -101,7 +110,9 @@ def time_pair(
     for r in range(rounds):
         best = {}
         for name in order if r % 2 == 0 else reversed(order):
-            best[name] = min(timers[name].timeit(number) for _ in range(blocks)) / number
+            best[name] = (
+                min(timers[name].timeit(number) for _ in range(blocks)) / number
+            )
             per_call[name].append(best[name])
         ratios.append(best["patched"] / best["stock"])
     return {
@@ -147,8 +158,14 @@ def member_rows(stock: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
     cxx_pytree.register_pytree_family(FamilyOutput)
     # 100 subclasses each, as an output-class hierarchy has. The twins are
     # registered with the flatten function that a dataclass family derives.
-    fam = [dataclasses.make_dataclass(f"F{i}", [], bases=(FamilyOutput,)) for i in range(100)]
-    exact = [dataclasses.make_dataclass(f"E{i}", [], bases=(ExactOutput,)) for i in range(100)]
+    fam = [
+        dataclasses.make_dataclass(f"F{i}", [], bases=(FamilyOutput,))
+        for i in range(100)
+    ]
+    exact = [
+        dataclasses.make_dataclass(f"E{i}", [], bases=(ExactOutput,))
+        for i in range(100)
+    ]
     flatten = functools.partial(py_pytree._dataclass_flatten, ("a", "b"))
     for cls in exact:
         cxx_pytree.register_pytree_node(
@@ -162,7 +179,10 @@ def member_rows(stock: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
         )
     }
     for case, (fam_tree, exact_tree) in trees.items():
-        if len(cxx_pytree.tree_leaves(fam_tree)) != 200 or len(stock.tree_leaves(exact_tree)) != 200:
+        if (
+            len(cxx_pytree.tree_leaves(fam_tree)) != 200
+            or len(stock.tree_leaves(exact_tree)) != 200
+        ):
             raise SystemExit(f"{case}: the members or their twins were not flattened")
         for op, call in OPS.items():
             fns = {
@@ -171,28 +191,57 @@ def member_rows(stock: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
             }
             res = time_pair(fns, args.rounds, args.blocks, args.block_time)
             rows.append({"state": "members", "case": case, "op": op, **res})
-            print(f"  members       {case:<28} {op:<13} ratio {res['ratio']:.3f}", flush=True)
+            print(
+                f"  members       {case:<28} {op:<13} ratio {res['ratio']:.3f}",
+                flush=True,
+            )
     return rows
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--baseline", required=True, metavar="FILE",
-                        help="a stock torch/utils/_cxx_pytree.py (v2.13.0)")
-    parser.add_argument("--check", type=float, metavar="RATIO",
-                        help="exit 1 listing every gated case whose paired patched/stock ratio > RATIO")
-    parser.add_argument("--rounds", type=int, default=30, help="rounds per (state, case, op) (default 30)")
-    parser.add_argument("--blocks", type=int, default=3, help="blocks per implementation per round (default 3)")
-    parser.add_argument("--block-time", type=float, default=0.002,
-                        help="target duration of one block, s (default 0.002)")
+    parser.add_argument(
+        "--baseline",
+        required=True,
+        metavar="FILE",
+        help="a stock torch/utils/_cxx_pytree.py (v2.13.0)",
+    )
+    parser.add_argument(
+        "--check",
+        type=float,
+        metavar="RATIO",
+        help="exit 1 listing every gated case whose paired patched/stock ratio > RATIO",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=30,
+        help="rounds per (state, case, op) (default 30)",
+    )
+    parser.add_argument(
+        "--blocks",
+        type=int,
+        default=3,
+        help="blocks per implementation per round (default 3)",
+    )
+    parser.add_argument(
+        "--block-time",
+        type=float,
+        default=0.002,
+        help="target duration of one block, s (default 0.002)",
+    )
     args = parser.parse_args(argv)
 
     if "transformers" in sys.modules:
-        raise SystemExit("run this in a fresh process: transformers is already imported")
+        raise SystemExit(
+            "run this in a fresh process: transformers is already imported"
+        )
     t0 = time.perf_counter()
     stock = load_baseline(args.baseline)
     print(f"# _cxx_pytree: stock ({args.baseline}) vs patched ({cxx_pytree.__file__})")
-    print(f"- torch {torch.__version__}, python {sys.version.split()[0]}, {os.cpu_count()} cpus")
+    print(
+        f"- torch {torch.__version__}, python {sys.version.split()[0]}, {os.cpu_count()} cpus"
+    )
     rows: list[dict[str, Any]] = []
     run_state("fresh", stock, args, rows)
 
@@ -206,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     run_state("family", stock, args, rows)
 
     if importlib.util.find_spec("transformers") is not None:
-        import transformers.modeling_outputs  # noqa: F401
+        import transformers.modeling_outputs
 
         if importlib.util.find_spec("transformers.cache_utils") is not None:
             import transformers.cache_utils  # noqa: F401
@@ -223,12 +272,16 @@ def main(argv: list[str] | None = None) -> int:
             f"| {r['state']} | {r['case']} | {r['op']} | {r['us']['stock']:.1f} "
             f"| {r['us']['patched']:.1f} | {r['ratio']:.3f} |"
         )
-    print("\n(members: stock = the same trees with exactly registered classes; not gated)")
+    print(
+        "\n(members: stock = the same trees with exactly registered classes; not gated)"
+    )
     print(f"total {time.perf_counter() - t0:.0f} s")
     if args.check is not None:
         bad = [r for r in gated if r["ratio"] > args.check]
         for r in bad:
-            print(f"CHECK FAILED: {r['state']}/{r['case']}/{r['op']}: {r['ratio']:.3f} > {args.check}")
+            print(
+                f"CHECK FAILED: {r['state']}/{r['case']}/{r['op']}: {r['ratio']:.3f} > {args.check}"
+            )
         if bad:
             return 1
         print(f"check passed: every gated patched/stock ratio <= {args.check}")
