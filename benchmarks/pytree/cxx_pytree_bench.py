@@ -121,6 +121,31 @@ def time_pair(
     }
 
 
+def time_ops(
+    state: str,
+    case: str,
+    stock: Any,
+    stock_tree: Any,
+    patched_tree: Any,
+    args: argparse.Namespace,
+) -> list[dict[str, Any]]:
+    """Time every op of OPS, stock on ``stock_tree`` vs patched on ``patched_tree``."""
+    rows = []
+    for op, call in OPS.items():
+        fns = {
+            "stock": lambda call=call: call(stock, stock_tree),
+            "patched": lambda call=call: call(cxx_pytree, patched_tree),
+        }
+        res = time_pair(fns, args.rounds, args.blocks, args.block_time)
+        rows.append({"state": state, "case": case, "op": op, **res})
+        print(
+            f"  {state:<13} {case:<28} {op:<13} stock {res['us']['stock']:8.1f} us"
+            f"  patched {res['us']['patched']:8.1f} us  ratio {res['ratio']:.3f}",
+            flush=True,
+        )
+    return rows
+
+
 def run_state(
     state: str, stock: Any, args: argparse.Namespace, rows: list[dict[str, Any]]
 ) -> None:
@@ -128,18 +153,7 @@ def run_state(
         expected = stock.tree_leaves(tree)
         if cxx_pytree.tree_leaves(tree) != expected:
             raise SystemExit(f"{state}/{case}: stock and patched disagree")
-        for op, call in OPS.items():
-            fns = {
-                "stock": lambda call=call, tree=tree: call(stock, tree),
-                "patched": lambda call=call, tree=tree: call(cxx_pytree, tree),
-            }
-            res = time_pair(fns, args.rounds, args.blocks, args.block_time)
-            rows.append({"state": state, "case": case, "op": op, **res})
-            print(
-                f"  {state:<13} {case:<28} {op:<13} stock {res['us']['stock']:8.1f} us"
-                f"  patched {res['us']['patched']:8.1f} us  ratio {res['ratio']:.3f}",
-                flush=True,
-            )
+        rows += time_ops(state, case, stock, tree, tree, args)
 
 
 def member_rows(stock: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -184,17 +198,7 @@ def member_rows(stock: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
             or len(stock.tree_leaves(exact_tree)) != 200
         ):
             raise SystemExit(f"{case}: the members or their twins were not flattened")
-        for op, call in OPS.items():
-            fns = {
-                "stock": lambda call=call, t=exact_tree: call(stock, t),
-                "patched": lambda call=call, t=fam_tree: call(cxx_pytree, t),
-            }
-            res = time_pair(fns, args.rounds, args.blocks, args.block_time)
-            rows.append({"state": "members", "case": case, "op": op, **res})
-            print(
-                f"  members       {case:<28} {op:<13} ratio {res['ratio']:.3f}",
-                flush=True,
-            )
+        rows += time_ops("members", case, stock, exact_tree, fam_tree, args)
     return rows
 
 
