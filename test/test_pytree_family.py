@@ -13,7 +13,9 @@ import gc
 import importlib
 import importlib.util
 import inspect
+import json
 import os
+import pickle
 import subprocess
 import sys
 import tempfile
@@ -452,6 +454,55 @@ class TestPytreeFamilyResolution(FamilyTestCase):
             wrong = [r for r, leaves in enumerate(results[i]) if leaves != [r, r]]
             self.assertEqual(wrong, [], f"thread {i} got leaves instead of nodes")
             self.assertEqual(len(results[i]), rounds)
+
+    def test_metaclass_subclasscheck_is_not_called(self) -> None:
+        # Membership follows the MRO; a metaclass whose __subclasscheck__
+        # raises neither breaks the registration nor leaves half of it.
+        class Meta(type):
+            def __subclasscheck__(cls, subclass: type) -> bool:
+                raise RuntimeError("__subclasscheck__ called")
+
+        @dataclasses.dataclass
+        class Base(metaclass=Meta):
+            x: Any = None
+
+        @dataclasses.dataclass
+        class Other:
+            x: Any = None
+
+        self.register_family(Other)
+        self.assertEqual(py_pytree.tree_leaves(Other(1)), [1])
+        self.register_family(Base)
+
+        @dataclasses.dataclass
+        class Sub(Base):
+            y: Any = None
+
+        for pytree in (py_pytree, cxx_pytree):
+            self.assertEqual(pytree.tree_leaves([Sub(1, 2), Other(3)]), [1, 2, 3])
+
+    def test_spec_survives_a_nearer_family(self) -> None:
+        # A spec made before a nearer base became a family still unflattens
+        # and serializes (the member is derived again on demand).
+        @dataclasses.dataclass
+        class Base:
+            x: Any
+
+        @dataclasses.dataclass
+        class Middle(Base):
+            pass
+
+        @dataclasses.dataclass
+        class Leafy(Middle):
+            y: Any = None
+
+        self.register_family(Base)
+        leaves, spec = py_pytree.tree_flatten([Leafy(1, 2)])
+        dumped = py_pytree.treespec_dumps(spec)
+        self.register_family(Middle)
+        self.assertNotIn(Leafy, py_pytree.SUPPORTED_NODES)
+        self.assertEqual(py_pytree.tree_unflatten(leaves, spec), [Leafy(1, 2)])
+        self.assertEqual(py_pytree.treespec_dumps(spec), dumped)
 
     def test_stress_registration_while_flattening(self) -> None:
         # 8 threads for a bounded time: two (de)register a family and an exact
@@ -957,6 +1008,27 @@ class TestPytreeFamilySerialization(FamilyTestCase):
                     raise AttributeError(name)
                 """
             ),
+            # Takes its time to import and registers a pytree node meanwhile.
+            "slow.py": textwrap.dedent(
+                """
+                import dataclasses
+                import time
+                import torch.utils._pytree as pt
+                from familypkg.base import Base
+
+                time.sleep(0.5)
+
+                @dataclasses.dataclass
+                class Exact:
+                    a: object
+
+                pt.register_dataclass(Exact)
+
+                @dataclasses.dataclass
+                class Slow(Base):
+                    pass
+                """
+            ),
         }
         for name, text in files.items():
             with open(os.path.join(pkg, name), "w") as f:
@@ -1070,6 +1142,131 @@ class TestPytreeFamilySerialization(FamilyTestCase):
         with self.assertRaisesRegex(NotImplementedError, "is not registered"):
             py_pytree.treespec_loads(self._spec_json("familypkg.outputs.Out"))
         self.assertNotIn("familypkg", sys.modules)
+
+    def test_loads_refuses_non_string_type_names(self) -> None:
+        self.register_family("familypkg.base:Base")
+        for name in (5, None, True, 1.5, ["familypkg.outputs.Out"]):
+            spec_json = self._spec_json("X").replace('"X"', json.dumps(name))
+            for pytree in (py_pytree, cxx_pytree):
+                with self.assertRaisesRegex(NotImplementedError, "is not registered"):
+                    pytree.treespec_loads(spec_json)
+        long_name = "familypkg." + "a." * 5000 + "Out"
+        with self.assertRaisesRegex(NotImplementedError, "is not registered"):
+            py_pytree.treespec_loads(self._spec_json(long_name))
+
+    def test_import_in_another_thread_does_not_deadlock(self) -> None:
+        # One thread imports a module that registers a pytree node while it is
+        # imported; others load a spec that needs that module and register a
+        # lazy family meanwhile. The registry lock is never held across an
+        # import, so all of them finish.
+        self.register_family("familypkg.base:Base")
+        errors: list[str] = []
+
+        def run(fn: Any) -> None:
+            try:
+                fn()
+            except Exception as e:
+                errors.append(f"{type(e).__name__}: {e}")
+
+        threads = [
+            threading.Thread(
+                target=run, args=(lambda: importlib.import_module("familypkg.slow"),)
+            ),
+            threading.Thread(
+                target=run,
+                args=(
+                    lambda: py_pytree.treespec_loads(
+                        self._spec_json("familypkg.slow.Slow")
+                    ),
+                ),
+            ),
+            threading.Thread(
+                target=run,
+                args=(lambda: self.register_family("familypkg.lazy2:Thing"),),
+            ),
+        ]
+        for t in threads:
+            t.start()
+            time.sleep(0.05)
+        for t in threads:
+            t.join(timeout=30)
+        self.assertFalse(any(t.is_alive() for t in threads), "deadlock")
+        self.assertEqual(errors, [], "\n".join(errors))
+        self.assertIs(
+            py_pytree.treespec_loads(self._spec_json("familypkg.slow.Slow")).type,
+            sys.modules["familypkg.slow"].Slow,
+        )
+
+    def test_loads_while_lazy_families_change(self) -> None:
+        self.register_family("familypkg.base:Base")
+        importlib.import_module("familypkg.outputs")
+        deadline = time.monotonic() + 2.0
+        errors: list[str] = []
+        loads = [0]
+
+        def toggle() -> None:
+            while time.monotonic() < deadline:
+                py_pytree.register_pytree_family("familypkg.other:Thing")
+                py_pytree._deregister_pytree_family("familypkg.other:Thing")
+
+        def load() -> None:
+            spec_json = self._spec_json("familypkg.outputs.Out")
+            while time.monotonic() < deadline:
+                try:
+                    spec = py_pytree.treespec_loads(spec_json)
+                    if spec.type is not sys.modules["familypkg.outputs"].Out:
+                        errors.append(f"loaded {spec.type}")
+                except Exception as e:
+                    errors.append(f"{type(e).__name__}: {e}")
+                loads[0] += 1
+
+        threads = [threading.Thread(target=toggle)] + [
+            threading.Thread(target=load) for _ in range(3)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        self.assertEqual(errors[:3], [])
+        self.assertGreater(loads[0], 100)
+
+    def test_unpickled_spec_in_a_fresh_process(self) -> None:
+        # The family is registered by importing its module; the member's
+        # registration is derived when the unpickled spec needs it.
+        with open(
+            os.path.join(self.tmpdir.name, "familypkg", "registers.py"), "w"
+        ) as f:
+            f.write(
+                textwrap.dedent(
+                    """
+                    import torch.utils._pytree as pt
+                    from familypkg.outputs import Out
+                    pt.register_pytree_family("familypkg.base:Base")
+                    """
+                )
+            )
+        from familypkg.outputs import Out
+
+        self.register_family("familypkg.base:Base")
+        leaves, spec = py_pytree.tree_flatten([Out(1, c=2)])
+        script = textwrap.dedent(
+            f"""
+            import pickle, sys
+            sys.path.insert(0, {self.tmpdir.name!r})
+            import torch.utils._pytree as pt
+            import familypkg.registers
+            spec = pickle.loads({pickle.dumps(spec)!r})
+            print(pt.tree_unflatten({leaves!r}, spec))
+            print(pt.treespec_dumps(spec))
+            """
+        )
+        result = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+        )
+        self.assertEqual(result.returncode, 0, result.stderr[-3000:])
+        out_line, dumps_line = result.stdout.strip().splitlines()[-2:]
+        self.assertEqual(out_line, "[Out(a=1, b=None, c=2)]")
+        self.assertEqual(dumps_line, py_pytree.treespec_dumps(spec))
 
     def test_loads_resolves_imported_class_family(self) -> None:
         importlib.import_module("familypkg.outputs")
