@@ -38,30 +38,67 @@ the first time, registering a family over 200 subclasses) use ``time.perf_counte
 around batches, with GC disabled, in the same round-robin scheme. The scaling table
 (t(N=10,000) / t(N=1,000) for a flat list) times every implementation at both sizes in one
 group, so that ratio is paired per round as well.
+
+Instruction-count mode (``--instructions``; needs valgrind and x86-64 Linux): the same
+(case, op) members, respecting ``--cases`` and ``--quick``, are counted with callgrind
+instead of timed, so the ratios do not move with machine load::
+
+    # quick: ~1.5 min (~1 min of it is import torch under valgrind); full: ~5 min
+    python benchmarks/pytree/pytree_bench.py --baseline /tmp/stock_pytree.py --quick --instructions
+    # both modes in one run (time first, natively; the time table gains a patched/stock Ir column)
+    python benchmarks/pytree/pytree_bench.py --baseline /tmp/stock_pytree.py --instructions --with-time \\
+        --json /tmp/pytree_bench.json
+
+The script runs itself again, with the same arguments, in ONE process under ``valgrind
+--tool=callgrind --instr-atstart=no --collect-atstart=no`` (stock, patched and cxx counted
+in the same run; ``PYTHONHASHSEED=0`` unless set). Start-up and ``import torch`` run
+uninstrumented and uncounted. Then a callgrind client request (the magic no-op instruction
+sequence of ``valgrind.h``, a few bytes of machine code called through ctypes) switches the
+instrumentation on, and every measured region is bracketed by client requests that toggle
+collection on and off and dump; the dump's total is exactly that region's instruction count,
+read back at once. Per member: one counted call estimates the cost, ``max(n, 20)`` uncounted
+calls warm up (quickening/specialization), then instructions per call = (count of
+``timeit(n)`` - count of ``timeit(0)``) / n, with the time mode's statements (GC off). n, the
+``calls`` column, is fixed per (case, op): the largest 1-2-5 step that keeps the group's most
+expensive member within ``--ir-target`` instructions (default 1e7, quick 2e6). The one-off
+family cases count their batches the same way (minus an empty loop). The same command gives
+identical counts; another command line or hash seed changes the heap and dict layout, which
+moves a few counts by up to ~15% (e.g. whether ``realloc`` can grow a list in place) but
+patched/stock ratios by at most ~0.025. ``--ir-rounds N`` repeats every region N times.
+``--callgrind-dir DIR`` keeps the dumps (one per region, tagged with case/op/column) for
+``callgrind_annotate``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import dataclasses
 import functools
 import gc
 import hashlib
 import importlib.util
 import json
+import math
+import mmap
 import os
 import platform
 import re
+import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+import timeit
 from collections import OrderedDict
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 from torch.utils.benchmark import Compare, Measurement, Timer
-
 
 try:
     import torch.utils._cxx_pytree as cxx_pytree
@@ -187,7 +224,7 @@ def register_exact(module: Any, cls: type, flatten=None, unflatten=None) -> None
 def _has_leaves(module: Any, tree: Any, n: int) -> bool:
     try:
         return len(module.tree_leaves(tree)) == n
-    except Exception:
+    except Exception:  # noqa: BLE001 -- any failure means "does not see the leaves"
         return False
 
 
@@ -203,7 +240,7 @@ def ensure_family(base: type, probe: Any, n_leaves: int) -> dict[str, bool]:
     if not _has_leaves(pytree, probe, n_leaves):
         try:
             pytree.register_pytree_family(base)
-        except Exception as e:  # already registered lazily, etc.
+        except Exception as e:  # noqa: BLE001 -- already registered lazily, etc.
             print(f"  note: register_pytree_family({base.__name__}): {e!r}")
     ok["patched"] = _has_leaves(pytree, probe, n_leaves)
     if cxx_pytree is not None:
@@ -212,7 +249,7 @@ def ensure_family(base: type, probe: Any, n_leaves: int) -> dict[str, bool]:
         ):
             try:
                 cxx_pytree.register_pytree_family(base)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001
                 print(f"  note: cxx register_pytree_family({base.__name__}): {e!r}")
         ok["cxx"] = _has_leaves(cxx_pytree, probe, n_leaves)
     return ok
@@ -290,7 +327,7 @@ def hf_variants(
 
 def build_hf_like(impls: dict[str, Any]) -> Group:
     t = _tensors(49)
-    kw = dict(last_hidden_state=t[0], past_key_values=tuple((t[1 + 2 * i], t[2 + 2 * i]) for i in range(24)))
+    kw = {"last_hidden_state": t[0], "past_key_values": tuple((t[1 + 2 * i], t[2 + 2 * i]) for i in range(24))}
     exact, family = HFLikeOutputExact(**kw), HFLikeOutputFamily(**kw)
     fam_ok = ensure_family(HFLikeBase, family, 49)
     return Group("hf_like_49", 49, hf_variants(impls, exact, family, fam_ok), OPS, "hf_like_49 [family]")
@@ -298,9 +335,12 @@ def build_hf_like(impls: dict[str, Any]) -> Group:
 
 def build_transformers(impls: dict[str, Any], stock: Any | None) -> list[Group]:
     try:
-        from transformers.modeling_outputs import BaseModelOutputWithPast, Seq2SeqLMOutput
+        from transformers.modeling_outputs import (
+            BaseModelOutputWithPast,
+            Seq2SeqLMOutput,
+        )
         from transformers.utils import generic as hf_generic
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 -- not installed, or an incompatible version
         print(f"  transformers cases skipped: {e!r}")
         return []
 
@@ -317,10 +357,8 @@ def build_transformers(impls: dict[str, Any], stock: Any | None) -> list[Group]:
         if cxx_pytree is not None:
             import optree
 
-            try:
+            with contextlib.suppress(Exception):  # not registered there
                 optree.unregister_pytree_node(sub, namespace="torch")
-            except Exception:
-                pass
         return sub
 
     groups = []
@@ -427,7 +465,7 @@ def validate(op: str, v: Variant, stmt_globals: dict[str, Any], n_leaves: int) -
             spec = m.treespec_loads(stmt_globals["j"])
             if spec != m.tree_structure(tree):
                 return "loads(dumps(spec)) != spec"
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 -- the reason is reported
         return f"{type(e).__name__}: {str(e).splitlines()[0][:60] if str(e) else ''}"
     return None
 
@@ -442,24 +480,33 @@ class Result:
     measurements: dict[str, list[Measurement]] = dataclasses.field(default_factory=dict)
     gated: bool = True
     note: str = ""
+    calls: int | None = None  # instruction mode: calls per measured region
 
 
-def run_group(group: Group, op: str, rounds: int, block_time: float, blocks: int) -> Result:
-    timers: list[tuple[str, Timer]] = []
+def group_members(group: Group, op: str) -> tuple[list[tuple[str, str, dict[str, Any]]], dict[str, str]]:
+    """(column, stmt, globals) of every member that passes ``validate``, and why the others do not."""
+    members: list[tuple[str, str, dict[str, Any]]] = []
     skipped: dict[str, str] = {}
     for v in group.variants:
         try:
             stmt, g = make_stmt(op, v)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 -- any failure makes the member n/a
             skipped[v.column] = f"{type(e).__name__}"
             continue
         why = validate(op, v, g, v.leaves or group.leaves)
         if why:
             skipped[v.column] = why
             continue
-        timers.append(
-            (v.column, Timer(stmt, globals=g, label=op, sub_label=group.case, description=v.column))
-        )
+        members.append((v.column, stmt, g))
+    return members, skipped
+
+
+def run_group(group: Group, op: str, rounds: int, block_time: float, blocks: int) -> Result:
+    members, skipped = group_members(group, op)
+    timers = [
+        (col, Timer(stmt, globals=g, label=op, sub_label=group.case, description=col))
+        for col, stmt, g in members
+    ]
     res = Result(group.case, op, group.leaves, {c: [] for c, _ in timers}, skipped)
     res.measurements = {c: [] for c, _ in timers}
     # Calibrate (and warm up) every member once with blocked_autorange, then time fixed-size
@@ -494,13 +541,19 @@ def _time_batch(fn: Callable[[Any], Any], objs: list[Any]) -> float:
     return (t1 - t0) * 1e-9 / len(objs)
 
 
-def run_family_first_seen(impls: dict[str, Any], rounds: int, batch: int) -> list[Result]:
+Measure = Callable[[Callable[[Any], Any], list[Any]], float]  # (fn, objs) -> cost of one fn(obj)
+
+
+def run_family_first_seen(
+    impls: dict[str, Any], rounds: int, batch: int, measure: Measure = _time_batch
+) -> list[Result]:
     """Flatten an instance of a family subclass never seen before (cold) vs seen before (warm).
 
     Fresh subclasses are created outside the timed region; each timed call flattens an
     instance of a different, never-flattened subclass, so any per-type cache is cold.
     Stock has no family; its column in the [warm] row is the same 2-leaf class registered
     exactly (what a user had to do before), and the [cold] row has no stock column.
+    ``measure`` is ``_time_batch`` (seconds per call) or ``Callgrind.per_call`` (instructions).
     """
     t = _tensors(2)
     stock = impls.get("stock")
@@ -525,19 +578,21 @@ def run_family_first_seen(impls: dict[str, Any], rounds: int, batch: int) -> lis
                 cls = type(f"SmallFresh{counter}", (SmallFamily,), {"__module__": __name__})
                 objs.append(cls(a=t[0], b=t[1]))
             flat = mods[col].tree_flatten
-            cold.rounds[col].append(_time_batch(flat, objs))
-            warm.rounds[col].append(_time_batch(flat, objs))
+            cold.rounds[col].append(measure(flat, objs))
+            warm.rounds[col].append(measure(flat, objs))
         if stock is not None:
             objs = [SmallExact(a=t[0], b=t[1]) for _ in range(batch)]
             stock.tree_flatten(objs[0])
-            warm.rounds["stock"].append(_time_batch(stock.tree_flatten, objs))
+            warm.rounds["stock"].append(measure(stock.tree_flatten, objs))
     ratio = statistics.median(a / b for a, b in zip(cold.rounds["patched"], warm.rounds["patched"])) if "patched" in cols else float("nan")
     cold.note = f"per call, batches of {batch} fresh subclasses; patched cold/warm = {ratio:.2f}"
     warm.note = "stock = the same 2-field class registered exactly (stock has no family)"
     return [cold, warm]
 
 
-def run_family_registration(impls: dict[str, Any], rounds: int, reps: int, n_sub: int = 200) -> list[Result]:
+def run_family_registration(
+    impls: dict[str, Any], rounds: int, reps: int, n_sub: int = 200, measure: Measure = _time_batch
+) -> list[Result]:
     """Make a base with ``n_sub`` subclasses pytree nodes, then flatten one instance of each.
 
     patched: one ``register_pytree_family(base)`` + first flatten of each subclass.
@@ -560,35 +615,35 @@ def run_family_registration(impls: dict[str, Any], rounds: int, reps: int, n_sub
         return base, subs, [c(a=t[0], b=t[1]) for c in subs]
 
     def patched_once() -> float:
-        base, subs, objs = fresh()
-        gc.disable()
-        t0 = time.perf_counter_ns()
-        pytree.register_pytree_family(base)
-        for o in objs:
-            pytree.tree_flatten(o)
-        t1 = time.perf_counter_ns()
-        gc.enable()
+        base, _subs, objs = fresh()
+
+        def work(_: Any) -> None:
+            pytree.register_pytree_family(base)
+            for o in objs:
+                pytree.tree_flatten(o)
+
+        cost = measure(work, [None])
         assert len(pytree.tree_leaves(objs[0])) == 2
         if hasattr(pytree, "_deregister_pytree_family"):
             pytree._deregister_pytree_family(base)
-        return (t1 - t0) * 1e-9
+        return cost
 
     def stock_once() -> float:
-        base, subs, objs = fresh()
+        _base, subs, objs = fresh()
         flat, reg, tf = _mapping_flatten, stock.register_pytree_node, stock.tree_flatten
         unflats = [functools.partial(_mapping_unflatten, c) for c in subs]
-        gc.disable()
-        t0 = time.perf_counter_ns()
-        for c, u in zip(subs, unflats):
-            reg(c, flat, u, serialized_type_name=c.__qualname__)
-        for o in objs:
-            tf(o)
-        t1 = time.perf_counter_ns()
-        gc.enable()
+
+        def work(_: Any) -> None:
+            for c, u in zip(subs, unflats):
+                reg(c, flat, u, serialized_type_name=c.__qualname__)
+            for o in objs:
+                tf(o)
+
+        cost = measure(work, [None])
         assert len(stock.tree_leaves(objs[0])) == 2
         for c in subs:
             stock._deregister_pytree_node(c)
-        return (t1 - t0) * 1e-9
+        return cost
 
     fns = {"patched": patched_once}
     if stock is not None:
@@ -602,6 +657,209 @@ def run_family_registration(impls: dict[str, Any], rounds: int, reps: int, n_sub
             res.rounds[col].append(statistics.median(fns[col]() for _ in range(reps)))
     res.note = f"whole operation, median of {reps} per round; stock = {n_sub} exact registrations"
     return [res]
+
+
+# ---------------------------------------------------------------------------
+# instruction counts (--instructions)
+# ---------------------------------------------------------------------------
+
+CALLGRIND_ENV = "PYTREE_BENCH_CALLGRIND_OUT"  # set by the parent for its child under callgrind
+MAX_CALLS = 100_000
+WARMUP_CALLS = 20  # uncounted calls before the first measured region (at least n)
+
+
+class Callgrind:
+    """Callgrind client requests from Python, in the child process that runs under callgrind.
+
+    A client request is a magic instruction sequence that valgrind recognizes and that does
+    nothing natively (``valgrind.h``). ``_CODE`` is that sequence for x86-64 wrapped in a
+    function ``size_t request(size_t args[6])``, put in an executable page and called through
+    ctypes. The child runs with ``--instr-atstart=no --collect-atstart=no``: ``import torch`` runs
+    uninstrumented (about 10x slower than native instead of about 50x), ``start()`` switches
+    the instrumentation on, and ``count(fn)`` switches collection on around ``fn()`` only, then
+    dumps; the dump holds exactly the instructions of that region, and its total is read back.
+    """
+
+    _BASE = 0x43540000  # VG_USERREQ_TOOL_BASE('C', 'T') in callgrind.h
+    TOGGLE_COLLECT, DUMP_STATS_AT, START_INSTRUMENTATION = _BASE + 2, _BASE + 3, _BASE + 4
+    RUNNING_ON_VALGRIND = 0x1001
+    # mov rax,rdi; xor edx,edx; rol rdi,3; rol rdi,13; rol rdi,61; rol rdi,51; xchg rbx,rbx;
+    # mov rax,rdx; ret  -- rax: the request block, rdx: the default/result
+    _CODE = "4889f8 31d2 48c1c703 48c1c70d 48c1c73d 48c1c733 4887db 4889d0 c3"
+
+    def __init__(self, out_file: str, keep: bool = False) -> None:
+        if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
+            raise SystemExit("--instructions: the callgrind client requests are implemented for x86-64 Linux only")
+        self._mem = mmap.mmap(-1, mmap.PAGESIZE, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+        self._mem.write(bytes.fromhex(self._CODE))
+        addr = ctypes.addressof(ctypes.c_char.from_buffer(self._mem))
+        self._fn = ctypes.CFUNCTYPE(ctypes.c_size_t, ctypes.c_void_p)(addr)
+        self._args = (ctypes.c_size_t * 6)()
+        self.out_file, self.keep, self.dumps = out_file, keep, 0
+        if not self._request(self.RUNNING_ON_VALGRIND):
+            raise SystemExit(f"{CALLGRIND_ENV} is set, but this process does not run under valgrind")
+
+    def _request(self, code: int, arg: int = 0) -> int:
+        self._args[0], self._args[1] = code, arg
+        return self._fn(self._args)
+
+    def start(self) -> None:
+        self._request(self.START_INSTRUMENTATION)
+
+    def count(self, fn: Callable[[], Any], tag: str) -> int:
+        """Instructions of ``fn()``, GC disabled, plus a constant few thousand of the toggling."""
+        gc_was = gc.isenabled()
+        gc.disable()
+        try:
+            self._request(self.TOGGLE_COLLECT)
+            try:
+                fn()
+            finally:
+                self._request(self.TOGGLE_COLLECT)
+        finally:
+            if gc_was:
+                gc.enable()
+        tag = re.sub(r"\s+", " ", tag)[:200]
+        buf = ctypes.create_string_buffer(tag.encode())
+        self._request(self.DUMP_STATS_AT, ctypes.addressof(buf))
+        self.dumps += 1
+        path = f"{self.out_file}.{self.dumps}"
+        trigger = total = None
+        with open(path) as f:
+            for line in f:
+                if line.startswith("desc: Trigger:"):
+                    trigger = line.split(":", 2)[2].strip()
+                elif line.startswith(("summary:", "totals:")):
+                    total = int(line.split()[1])
+                    break
+        if trigger != f"Client Request: {tag}" or total is None:
+            raise RuntimeError(f"{path}: expected the dump {tag!r}, found {trigger!r} (total {total})")
+        if not self.keep:
+            os.unlink(path)
+        return total
+
+    def per_call(self, fn: Callable[[Any], Any], objs: list[Any]) -> float:
+        """``Measure`` for the one-off family cases: instructions per ``fn(o)`` over ``objs``."""
+
+        def loop(xs: list[Any]) -> None:
+            for o in xs:
+                fn(o)
+
+        full = self.count(lambda: loop(objs), f"{getattr(fn, '__qualname__', 'fn')} x{len(objs)}")
+        empty = self.count(lambda: loop([]), "empty loop")
+        return (full - empty) / len(objs)
+
+
+def _calls_for(ir_target: float, ir_per_call: float) -> int:
+    """The largest of 1, 2, 5, 10, 20, 50, ... calls that stays within ``ir_target`` instructions."""
+    n = 1
+    while n < MAX_CALLS:
+        nxt = n * 5 // 2 if str(n)[0] == "2" else n * 2
+        if nxt * ir_per_call > ir_target:
+            break
+        n = nxt
+    return n
+
+
+def count_group(group: Group, op: str, cg: Callgrind, ir_target: float, rounds: int) -> Result:
+    """Instructions per call of every member: (count of ``timeit(n)`` - count of ``timeit(0)``) / n.
+
+    The statements are those the time mode times, run by ``timeit.Timer`` (GC off), so the loop
+    and call overhead per call is included exactly as in the time mode. One counted call of each
+    member estimates its cost; ``n`` is the same for every member of the group: what fits the
+    most expensive member into ``ir_target`` instructions, in 1-2-5 steps. Right before its first
+    measured region every member runs ``max(n, up to WARMUP_CALLS)`` calls uncounted, so the
+    measured calls run quickened, specialized bytecode (the time mode's calibration does that).
+    """
+    members, skipped = group_members(group, op)
+    timers = [(col, timeit.Timer(stmt, globals=g)) for col, stmt, g in members]
+    est: dict[str, int] = {}
+    for col, t in timers:
+        tag = f"{group.case} {op} {col}"
+        one = cg.count(functools.partial(t.timeit, 1), f"{tag} x1")
+        est[col] = max(one - cg.count(functools.partial(t.timeit, 0), f"{tag} x0"), 1)
+    n = _calls_for(ir_target, max(est.values())) if est else 1
+    res = Result(group.case, op, group.leaves, {c: [] for c, _ in timers}, skipped, calls=n)
+    base: dict[str, int] = {}
+    for r in range(rounds):
+        for col, t in timers if r % 2 == 0 else timers[::-1]:
+            tag = f"{group.case} {op} {col}"
+            if col not in base:
+                t.timeit(max(n, min(WARMUP_CALLS, _calls_for(ir_target, est[col]))))
+                base[col] = cg.count(functools.partial(t.timeit, 0), f"{tag} x0")
+            ir = cg.count(functools.partial(t.timeit, n), f"{tag} x{n}")
+            res.rounds[col].append((ir - base[col]) / n)
+    return res
+
+
+def instruction_child(args: argparse.Namespace) -> int:
+    """The run under callgrind (started by ``run_instructions``): count, write JSON, no report."""
+    out = os.environ[CALLGRIND_ENV]
+    cg = Callgrind(out, keep=args.callgrind_dir is not None)
+    impls = make_impls(args)
+    groups = build_groups(args, impls)
+    ir_target = args.ir_target or (2e6 if args.quick else 1e7)
+    t0 = time.perf_counter()
+    cg.start()
+    overhead = [cg.count(lambda: None, "empty region") for _ in range(3)]
+    print(f"  callgrind: instrumentation on; target {ir_target:.0e} instructions per region", flush=True)
+    rows: list[dict[str, Any]] = []
+    for g in groups:
+        for op in g.ops:
+            res = count_group(g, op, cg, ir_target, args.ir_rounds)
+            rows.extend(rows_from_result(res, g.family_row, instructions=True))
+            print(f"  {g.case:<36} {op:<24} x{res.calls:<6} " + "  ".join(
+                f"{c}={_median(v):,.0f}" for c, v in res.rounds.items()), flush=True)
+    if HAS_FAMILY and (not args.cases or "family" in args.cases):
+        batch = 20 if args.quick else 50
+        first_seen = run_family_first_seen(impls, args.ir_rounds, batch, cg.per_call)
+        registration = run_family_registration(impls, args.ir_rounds, 1, measure=cg.per_call)
+        for res in first_seen:
+            res.calls = batch
+        for res in registration:
+            res.calls = 1  # the whole operation once
+        for res in first_seen + registration:
+            rows.extend(rows_from_result(res, None, instructions=True))
+            print(f"  {res.case:<36} {res.op:<24} " + "  ".join(
+                f"{c}={_median(v):,.0f}" for c, v in res.rounds.items()), flush=True)
+    info = {
+        "ir_target": ir_target,
+        "ir_rounds": args.ir_rounds,
+        "regions": cg.dumps,
+        "region_overhead_ir": overhead,
+        "counting_seconds": round(time.perf_counter() - t0, 1),
+        "pythonhashseed": os.environ.get("PYTHONHASHSEED"),
+    }
+    with open(out + ".json", "w") as f:
+        json.dump({"rows": rows, "info": info}, f, default=str)
+    return 0
+
+
+def run_instructions(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
+    """Run this script with the same arguments under callgrind and return what it counted."""
+    valgrind = shutil.which("valgrind")
+    if valgrind is None:
+        raise SystemExit("--instructions needs valgrind on PATH (e.g. apt-get install valgrind)")
+    out_dir = args.callgrind_dir or tempfile.mkdtemp(prefix="pytree_bench_callgrind_")
+    os.makedirs(out_dir, exist_ok=True)
+    out = os.path.join(out_dir, "callgrind.out")
+    cmd = [valgrind, "-q", "--tool=callgrind", "--instr-atstart=no", "--collect-atstart=no",
+           f"--callgrind-out-file={out}", sys.executable, os.path.abspath(__file__), *argv]
+    env = {**os.environ, CALLGRIND_ENV: out}
+    env.setdefault("PYTHONHASHSEED", "0")  # same dict/set layouts in every run: repeatable counts
+    version = subprocess.run([valgrind, "--version"], capture_output=True, text=True, check=True).stdout.strip()
+    print(f"\n# instruction counts ({version}): {' '.join(cmd)}", flush=True)
+    t0 = time.perf_counter()
+    rc = subprocess.call(cmd, env=env)
+    if rc != 0:
+        raise SystemExit(f"the run under callgrind failed (exit status {rc})")
+    with open(out + ".json") as f:
+        data = json.load(f)
+    if args.callgrind_dir is None:
+        shutil.rmtree(out_dir)
+    data["info"]["valgrind"] = version
+    data["info"]["seconds"] = round(time.perf_counter() - t0, 1)
+    return data
 
 
 # ---------------------------------------------------------------------------
@@ -619,25 +877,38 @@ def _paired(a: list[float], b: list[float]) -> float | None:
     return statistics.median(x / y for x, y in zip(a, b))
 
 
-def rows_from_result(res: Result, family_row: str | None) -> list[dict[str, Any]]:
+def rows_from_result(res: Result, family_row: str | None, instructions: bool = False) -> list[dict[str, Any]]:
+    """Output rows of a Result: per-round values in s (time) or instructions per call."""
+    key, scale = ("ir_per_call", 1.0) if instructions else ("median_us", 1e6)
+
     def row(case: str, cols: dict[str, str], gated: bool, note: str) -> dict[str, Any]:
-        get = lambda c: res.rounds.get(cols.get(c, ""), [])  # noqa: E731
+        def get(c: str) -> list[float]:
+            return res.rounds.get(cols.get(c, ""), [])
+
         p, s, x = get("patched"), get("stock"), get("cxx")
-        med = {c: _median(get(c)) * 1e6 for c in ("stock", "patched", "cxx") if get(c)}
+        med = {c: _median(get(c)) * scale for c in ("stock", "patched", "cxx") if get(c)}
         d = {
             "case": case,
             "op": res.op,
             "leaves": res.leaves,
-            "median_us": med,
+            key: med,
             "columns": cols,
-            "rounds_us": {c: [v * 1e6 for v in get(c)] for c in ("stock", "patched", "cxx") if get(c)},
+            ("rounds_ir" if instructions else "rounds_us"): {
+                c: [v * scale for v in get(c)] for c in ("stock", "patched", "cxx") if get(c)
+            },
             "patched_over_stock": _paired(p, s),
             "patched_over_cxx": _paired(p, x),
-            "ns_per_leaf_patched": (med["patched"] * 1e3 / res.leaves) if "patched" in med else None,
-            "skipped": {c: res.skipped[v] for c, v in cols.items() if v in res.skipped},
-            "gated": gated,
-            "note": note,
         }
+        if instructions:
+            d["calls"] = res.calls
+            d["ir_per_leaf_patched"] = (med["patched"] / res.leaves) if "patched" in med else None
+        else:
+            d["ns_per_leaf_patched"] = (med["patched"] * 1e3 / res.leaves) if "patched" in med else None
+        d.update(
+            skipped={c: res.skipped[v] for c, v in cols.items() if v in res.skipped},
+            gated=gated,
+            note=note,
+        )
         return d
 
     out = [row(res.case, {"stock": "stock", "patched": "patched", "cxx": "cxx"}, res.gated, res.note)]
@@ -653,7 +924,7 @@ def rows_from_result(res: Result, family_row: str | None) -> list[dict[str, Any]
                     "case": family_row,
                     "op": res.op,
                     "leaves": res.leaves,
-                    "median_us": {},
+                    key: {},
                     "skipped": {"patched": res.skipped.get("patched[family]", "no register_pytree_family")},
                     "gated": False,
                     "note": "skipped",
@@ -662,8 +933,13 @@ def rows_from_result(res: Result, family_row: str | None) -> list[dict[str, Any]
     return out
 
 
+def _values(r: dict[str, Any]) -> dict[str, float]:
+    """The per-implementation values of a time row (µs) or an instruction row (instructions)."""
+    return r.get("median_us") or r.get("ir_per_call") or {}
+
+
 def _fmt_us(v: float | None) -> str:
-    if v is None or v != v:
+    if v is None or math.isnan(v):
         return "n/a"
     if v >= 100:
         return f"{v:,.0f}"
@@ -676,33 +952,52 @@ def _fmt_ratio(v: float | None) -> str:
     return "n/a" if v is None else f"{v:.2f}"
 
 
-def format_table(rows: list[dict[str, Any]]) -> str:
-    lines = [
-        "| case | op | leaves | stock µs | patched µs | cxx µs | patched/stock | patched/cxx | ns/leaf (patched) |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
+def _fmt_ir(v: float | None) -> str:
+    return "n/a" if v is None or math.isnan(v) else f"{v:,.0f}"
+
+
+def format_table(rows: list[dict[str, Any]], instructions: bool = False) -> str:
+    """The time table, or with ``instructions`` the instruction table (same layout + calls).
+
+    A time row that carries ``ir_patched_over_stock`` (``--instructions --with-time``) gets
+    the instruction ratio in an extra column.
+    """
+    if instructions:
+        head = "| case | op | leaves | stock Ir | patched Ir | cxx Ir | patched/stock | patched/cxx | Ir/leaf (patched) | calls |"
+        per_leaf, fmt = "ir_per_leaf_patched", _fmt_ir
+    else:
+        head = "| case | op | leaves | stock µs | patched µs | cxx µs | patched/stock | patched/cxx | ns/leaf (patched) |"
+        per_leaf, fmt = "ns_per_leaf_patched", _fmt_us
+    with_ir = not instructions and any("ir_patched_over_stock" in r for r in rows)
+    if with_ir:
+        head += " patched/stock Ir |"
+    n_cols = head.count("|") - 1
+    lines = [head, "|" + "---|" * n_cols]
     for r in rows:
-        med = r.get("median_us", {})
+        med = _values(r)
         if not med:
-            lines.append(f"| {r['case']} | {r['op']} | {r['leaves']} | skipped: {r.get('skipped')} | | | | | |")
+            lines.append(f"| {r['case']} | {r['op']} | {r['leaves']} | skipped: {r.get('skipped')} |" + " |" * (n_cols - 4))
             continue
-        npl = r.get("ns_per_leaf_patched")
+        npl = r.get(per_leaf)
         p_s = _fmt_ratio(r.get("patched_over_stock"))
         if not r.get("gated", True) and r.get("patched_over_stock") is not None:
             p_s += " (not gated)"
-        lines.append(
-            "| {case} | {op} | {leaves} | {s} | {p} | {x} | {ps} | {px} | {npl} |".format(
-                case=r["case"],
-                op=r["op"],
-                leaves=r["leaves"],
-                s=_fmt_us(med.get("stock")),
-                p=_fmt_us(med.get("patched")),
-                x=_fmt_us(med.get("cxx")),
-                ps=p_s,
-                px=_fmt_ratio(r.get("patched_over_cxx")),
-                npl="n/a" if npl is None else f"{npl:.0f}",
-            )
+        line = "| {case} | {op} | {leaves} | {s} | {p} | {x} | {ps} | {px} | {npl} |".format(
+            case=r["case"],
+            op=r["op"],
+            leaves=r["leaves"],
+            s=fmt(med.get("stock")),
+            p=fmt(med.get("patched")),
+            x=fmt(med.get("cxx")),
+            ps=p_s,
+            px=_fmt_ratio(r.get("patched_over_cxx")),
+            npl="n/a" if npl is None else f"{npl:.0f}",
         )
+        if instructions:
+            line += f" {r.get('calls') or 'n/a'} |"
+        if with_ir:
+            line += f" {_fmt_ratio(r.get('ir_patched_over_stock'))} |"
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -723,6 +1018,19 @@ def build_scaling_group(impls: dict[str, Any]) -> Group:
     return Group("scaling_list_1k_10k", 1000, variants, SCALING_OPS)
 
 
+def ir_scaling(ir_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Ir(N=10000) / Ir(N=1000) per call of a flat list, from the list_1000 and list_10000 rows."""
+    by_case = {(r["case"], r["op"]): _values(r) for r in ir_rows}
+    out = []
+    for op in SCALING_OPS:
+        small, big = by_case.get(("list_1000", op), {}), by_case.get(("list_10000", op), {})
+        for impl in ("stock", "patched", "cxx"):
+            if small.get(impl) and big.get(impl):
+                out.append({"op": op, "impl": impl, "ir10k_over_ir1k": big[impl] / small[impl],
+                            "ir_per_leaf_1k": small[impl] / 1000, "ir_per_leaf_10k": big[impl] / 10000})
+    return out
+
+
 def scaling(results: list[Result]) -> list[dict[str, Any]]:
     out = []
     for res in results:
@@ -740,7 +1048,7 @@ def _pkg_version(name: str) -> str:
         import importlib.metadata as md
 
         return md.version(name)
-    except Exception:
+    except Exception:  # noqa: BLE001
         return "not installed"
 
 
@@ -783,7 +1091,7 @@ def machine_header(args: argparse.Namespace) -> dict[str, Any]:
     return h
 
 
-def plot(rows: list[dict[str, Any]], path: str) -> None:
+def plot(rows: list[dict[str, Any]], path: str, key: str = "median_us", ylabel: str = "median µs per call") -> None:
     try:
         import matplotlib
 
@@ -799,13 +1107,13 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
             (r["leaves"], r) for r in rows if r["case"].startswith("list_") and r["op"] == op
         )
         for impl in ("stock", "patched", "cxx"):
-            xs = [n for n, r in pts if impl in r["median_us"]]
-            ys = [r["median_us"][impl] for n, r in pts if impl in r["median_us"]]
+            xs = [n for n, r in pts if impl in r.get(key, {})]
+            ys = [r[key][impl] for n, r in pts if impl in r.get(key, {})]
             if xs:
                 ax.loglog(xs, ys, marker="o", label=impl)
         ax.set_title(f"{op}, flat list")
         ax.set_xlabel("N leaves")
-        ax.set_ylabel("median µs per call")
+        ax.set_ylabel(ylabel)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
     fig.tight_layout()
@@ -853,14 +1161,52 @@ def run_group_and_report(group: Group, op: str, args: argparse.Namespace) -> Res
     return res
 
 
+def make_impls(args: argparse.Namespace) -> dict[str, Any]:
+    impls: dict[str, Any] = {}
+    if args.baseline:
+        impls["stock"] = load_baseline(args.baseline)
+    impls["patched"] = pytree
+    if cxx_pytree is not None:
+        impls["cxx"] = cxx_pytree
+    return impls
+
+
+def print_tables(rows: list[dict[str, Any]], sc: list[dict[str, Any]], instructions: bool) -> None:
+    """The results table, the flat-list scaling and family/exact tables of one mode."""
+    if instructions:
+        print("\n## Instructions per call (callgrind Ir: (count of n calls - count of 0 calls) / n; "
+              "n = calls, fixed per case; ratios of counts)\n")
+    else:
+        print("\n## Results (µs per call: median over rounds of the fastest block per round; ratios paired per round)\n")
+    print(format_table(rows, instructions))
+    if sc and instructions:
+        print("\n## Scaling, flat list: Ir(N=10000) / Ir(N=1000) per call (10 = linear)\n")
+        print("| op | impl | Ir(10k)/Ir(1k) | Ir/leaf @1k | Ir/leaf @10k |\n|---|---|---|---|---|")
+        for s in sc:
+            print(f"| {s['op']} | {s['impl']} | {s['ir10k_over_ir1k']:.2f} | {s['ir_per_leaf_1k']:.0f} | {s['ir_per_leaf_10k']:.0f} |")
+    elif sc:
+        print("\n## Scaling, flat list: t(N=10000) / t(N=1000), paired per round (10 = linear)\n")
+        print("| op | impl | t(10k)/t(1k) | ns/leaf @1k | ns/leaf @10k |\n|---|---|---|---|---|")
+        for s in sc:
+            print(f"| {s['op']} | {s['impl']} | {s['t10k_over_t1k']:.2f} | {s['ns_per_leaf_1k']:.0f} | {s['ns_per_leaf_10k']:.0f} |")
+    fam = [r for r in rows if r.get("family_over_exact") is not None]
+    if fam:
+        what = "instructions" if instructions else "paired"
+        print(f"\n## Family handler vs exact registration (patched python pytree, {what})\n")
+        print("| case | op | family/exact |\n|---|---|---|")
+        for r in fam:
+            print(f"| {r['case']} | {r['op']} | {r['family_over_exact']:.2f} |")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline", metavar="FILE", help="a stock torch/utils/_pytree.py (v2.13.0)")
     parser.add_argument("--quick", action="store_true", help="CI smoke: few cases, small N (< 60 s)")
     parser.add_argument("--check", type=float, metavar="RATIO",
-                        help="exit 1 listing every case whose paired patched/stock ratio > RATIO")
+                        help="exit 1 listing every case whose paired patched/stock ratio > RATIO "
+                             "(with --instructions: also every instruction ratio)")
     parser.add_argument("--json", metavar="PATH", help="write all results as JSON")
-    parser.add_argument("--plot", metavar="PATH", help="write a PNG of time vs N (needs matplotlib)")
+    parser.add_argument("--plot", metavar="PATH", help="write a PNG of time (with --instructions only: instructions) vs N (needs matplotlib)")
     parser.add_argument("--rounds", type=int, help="round-robin rounds per (case, op) (default 40, quick 10)")
     parser.add_argument("--block-time", type=float, default=0.001,
                         help="target duration of one timed block, s (default 0.001)")
@@ -868,45 +1214,74 @@ def main(argv: list[str] | None = None) -> int:
                         help="blocks per implementation per round; the round value is the fastest (default 5)")
     parser.add_argument("--cases", metavar="REGEX", help="only run cases whose name matches")
     parser.add_argument("--no-compare", action="store_true", help="do not print torch.utils.benchmark.Compare tables")
+    parser.add_argument("--instructions", action="store_true",
+                        help="count instructions per call under valgrind's callgrind instead of timing "
+                             "(stock vs patched in one run under callgrind; stable on a loaded machine)")
+    parser.add_argument("--with-time", action="store_true",
+                        help="with --instructions: run the time mode too (first, natively) and report both")
+    parser.add_argument("--ir-target", type=float, metavar="N",
+                        help="instructions per measured region; calls per case = N / instructions of one call "
+                             "of its most expensive member, in 1-2-5 steps, >= 1 (default 1e7, quick 2e6)")
+    parser.add_argument("--ir-rounds", type=int, default=1,
+                        help="measured regions per implementation in instruction mode (default 1)")
+    parser.add_argument("--callgrind-dir", metavar="DIR",
+                        help="keep the callgrind dumps (one per region, for callgrind_annotate) in DIR")
     args = parser.parse_args(argv)
     if args.check is not None and not args.baseline:
         parser.error("--check needs --baseline (the ratios are patched/stock)")
+    if args.with_time and not args.instructions:
+        parser.error("--with-time goes with --instructions")
+    if args.ir_rounds < 1:
+        parser.error("--ir-rounds must be >= 1")
+    if os.environ.get(CALLGRIND_ENV):
+        return instruction_child(args)
+    if args.instructions and shutil.which("valgrind") is None:
+        parser.error("--instructions needs valgrind on PATH (e.g. apt-get install valgrind)")
     args.rounds = args.rounds or (10 if args.quick else 40)
+    timed = not args.instructions or args.with_time
 
     t_start = time.perf_counter()
-    impls: dict[str, Any] = {}
-    if args.baseline:
-        impls["stock"] = load_baseline(args.baseline)
-    impls["patched"] = pytree
-    if cxx_pytree is not None:
-        impls["cxx"] = cxx_pytree
+    impls = make_impls(args)
     header = machine_header(args)
+    if not timed:
+        for k in ("rounds", "block_time_s", "blocks_per_round"):
+            del header[k]
     print("# pytree microbenchmark")
     for k, v in header.items():
         print(f"- {k}: {v}")
     if not HAS_FAMILY:
         print("- note: torch.utils._pytree has no register_pytree_family; family cases skipped")
 
-    groups = build_groups(args, impls)
     results: list[Result] = []
     rows: list[dict[str, Any]] = []
-    for g in groups:
-        for op in g.ops:
-            res = run_group_and_report(g, op, args)
-            results.append(res)
-            rows.extend(rows_from_result(res, g.family_row))
-    if HAS_FAMILY and (not args.cases or "family" in args.cases):
-        for res in run_family_first_seen(impls, args.rounds, batch=20 if args.quick else 50):
-            results.append(res)
-            rows.extend(rows_from_result(res, None))
-        for res in run_family_registration(impls, args.rounds, reps=1 if args.quick else 3):
-            results.append(res)
-            rows.extend(rows_from_result(res, None))
     scaling_results = []
-    if not args.quick and (not args.cases or re.search(args.cases, "scaling_list_1k_10k")):
-        sg = build_scaling_group(impls)
-        for op in sg.ops:
-            scaling_results.append(run_group_and_report(sg, op, args))
+    if timed:
+        groups = build_groups(args, impls)
+        for g in groups:
+            for op in g.ops:
+                res = run_group_and_report(g, op, args)
+                results.append(res)
+                rows.extend(rows_from_result(res, g.family_row))
+        if HAS_FAMILY and (not args.cases or "family" in args.cases):
+            for res in run_family_first_seen(impls, args.rounds, batch=20 if args.quick else 50):
+                results.append(res)
+                rows.extend(rows_from_result(res, None))
+            for res in run_family_registration(impls, args.rounds, reps=1 if args.quick else 3):
+                results.append(res)
+                rows.extend(rows_from_result(res, None))
+        if not args.quick and (not args.cases or re.search(args.cases, "scaling_list_1k_10k")):
+            sg = build_scaling_group(impls)
+            for op in sg.ops:
+                scaling_results.append(run_group_and_report(sg, op, args))
+    ir_rows: list[dict[str, Any]] = []
+    if args.instructions:
+        ir = run_instructions(args, sys.argv[1:] if argv is None else argv)
+        ir_rows = ir["rows"]
+        header["instructions"] = ir["info"]
+        by_case = {(r["case"], r["op"]): r for r in ir_rows}
+        for r in rows:
+            if (r["case"], r["op"]) in by_case:
+                r["ir_patched_over_stock"] = by_case[(r["case"], r["op"])].get("patched_over_stock")
     header["loadavg_after"] = os.getloadavg() if hasattr(os, "getloadavg") else None
     header["total_seconds"] = round(time.perf_counter() - t_start, 1)
 
@@ -915,50 +1290,51 @@ def main(argv: list[str] | None = None) -> int:
         if ms:
             Compare(Measurement.merge(ms)).print()
 
-    if rows:
-        print("\n## Results (µs per call: median over rounds of the fastest block per round; ratios paired per round)\n")
-        print(format_table(rows))
     sc = scaling(scaling_results)
-    if sc:
-        print("\n## Scaling, flat list: t(N=10000) / t(N=1000), paired per round (10 = linear)\n")
-        print("| op | impl | t(10k)/t(1k) | ns/leaf @1k | ns/leaf @10k |\n|---|---|---|---|---|")
-        for s in sc:
-            print(f"| {s['op']} | {s['impl']} | {s['t10k_over_t1k']:.2f} | {s['ns_per_leaf_1k']:.0f} | {s['ns_per_leaf_10k']:.0f} |")
-    fam = [r for r in rows if r.get("family_over_exact") is not None]
-    if fam:
-        print("\n## Family handler vs exact registration (patched python pytree, paired)\n")
-        print("| case | op | family/exact |\n|---|---|---|")
-        for r in fam:
-            print(f"| {r['case']} | {r['op']} | {r['family_over_exact']:.2f} |")
-    notes = dict.fromkeys((r["case"], r["note"]) for r in rows if r.get("note") and r.get("median_us"))
+    if rows:
+        print_tables(rows, sc, instructions=False)
+    ir_sc = ir_scaling(ir_rows)
+    if ir_rows:
+        print_tables(ir_rows, ir_sc, instructions=True)
+    report_rows = rows or ir_rows
+    notes = dict.fromkeys((r["case"], r["note"]) for r in report_rows if r.get("note") and _values(r))
     if notes:
         print("\nNotes:")
         for case, note in notes:
             print(f"- {case}: {note}")
-    skipped = [(r["case"], r["op"], r["skipped"]) for r in rows if r.get("skipped")]
+    skipped = [(r["case"], r["op"], r["skipped"]) for r in report_rows if r.get("skipped")]
     if skipped:
-        print("\nNot timed (n/a):")
+        print("\nNot timed (n/a):" if rows else "\nNot counted (n/a):")
         for case, op, why in skipped:
             print(f"- {case} / {op}: {why}")
+    if args.instructions:
+        info = header["instructions"]
+        print(f"\ninstruction counts: {info['regions']} callgrind regions, {info['seconds']} s under callgrind")
     print(f"\nloadavg after: {header['loadavg_after']}; total {header['total_seconds']} s")
 
     if args.json:
+        out = {"header": header, "rows": rows, "scaling": sc}
+        if args.instructions:
+            out.update(instruction_rows=ir_rows, instruction_scaling=ir_sc)
         with open(args.json, "w") as f:
-            json.dump({"header": header, "rows": rows, "scaling": sc}, f, indent=1, default=str)
+            json.dump(out, f, indent=1, default=str)
         print(f"JSON written to {args.json}")
     if args.plot:
-        plot(rows, args.plot)
+        if rows:
+            plot(rows, args.plot)
+        else:
+            plot(ir_rows, args.plot, key="ir_per_call", ylabel="instructions per call")
 
     if args.check is not None:
         bad = [
-            r for r in rows
+            (r, kind) for kind, rs in (("", rows), (" (instructions)", ir_rows)) for r in rs
             if r.get("gated", True) and r.get("patched_over_stock") is not None
             and r["patched_over_stock"] > args.check
         ]
         if bad:
             print(f"\nCHECK FAILED: {len(bad)} case(s) with patched/stock > {args.check}:")
-            for r in bad:
-                print(f"  {r['case']} / {r['op']}: {r['patched_over_stock']:.3f}")
+            for r, kind in bad:
+                print(f"  {r['case']} / {r['op']}{kind}: {r['patched_over_stock']:.3f}")
             return 1
         print(f"\nCHECK OK: every gated patched/stock ratio <= {args.check}")
     return 0
