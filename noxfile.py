@@ -1,4 +1,4 @@
-"""Test matrix: `nox` runs both sessions (see README.md, command 2).
+"""Test matrix: `nox` runs all three sessions (see README.md, command 2).
 
 Each session installs this package with its test extras into a fresh venv (.nox/<session>),
 applies the patch series to that venv's torch with `torch-patch apply` (a no-op when the
@@ -9,12 +9,15 @@ session is reused), then runs the whole suite.  Arguments after `--` replace the
 import nox
 
 nox.options.default_venv_backend = "venv"  # never uv: it would fetch CUDA torch wheels
-nox.options.sessions = ["tests-latest", "tests-hf431"]
+nox.options.sessions = ["tests-latest", "tests-hf431", "tests-hf446"]
 nox.options.error_on_missing_interpreters = True
 
 
 def _run_suite(
-    session: nox.Session, *extra_requirements: str, hypothesis_profile: str
+    session: nox.Session,
+    *extra_requirements: str,
+    hypothesis_profile: str,
+    default_tests: tuple[str, ...] = ("test",),
 ) -> None:
     session.install("-e", ".[test]", *extra_requirements)
     session.run("torch-patch", "apply")
@@ -26,7 +29,7 @@ def _run_suite(
         "HYPOTHESIS_STORAGE_DIRECTORY": session.create_tmp(),
     }
     session.run(
-        "python", "-m", "pytest", "-q", *(session.posargs or ["test"]), env=env
+        "python", "-m", "pytest", "-q", *(session.posargs or default_tests), env=env
     )
 
 
@@ -45,4 +48,25 @@ def tests_hf431(session: nox.Session) -> None:
         "numpy<2",
         "tokenizers==0.13.3",
         hypothesis_profile="pytree-quick",
+    )
+
+
+@nox.session(name="tests-hf446")
+def tests_hf446(session: nox.Session) -> None:
+    """transformers 4.46.3, where Cache is a torch.nn.Module (4.36 to 4.5x).
+
+    Only the suites that cover that: DDP with a cache in the output, the family
+    and fast-path tests. The export tests are written for the current cache API.
+    """
+    _run_suite(
+        session,
+        "transformers==4.46.3",
+        "tokenizers==0.20.3",
+        "huggingface_hub<0.26",
+        hypothesis_profile="pytree-quick",
+        default_tests=(
+            "test/distributed",
+            "test/test_pytree_family.py",
+            "test/test_pytree_fast_path.py",
+        ),
     )

@@ -608,6 +608,78 @@ class TestPytreeFamilyResolution(FamilyTestCase):
         self.assertGreater(min(counts), 10)
 
 
+class ModuleCache(torch.nn.Module):
+    """A stand-in for transformers' ``Cache`` of 4.36 to 4.5x (an ``nn.Module``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.key_cache: list[torch.Tensor] = []
+        self.value_cache: list[torch.Tensor] = []
+        self._seen_tokens = 0
+
+    def update(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        self.key_cache.append(key)
+        self.value_cache.append(value)
+        self._seen_tokens += key.shape[-2]
+
+
+class TestPytreeCacheFunctions(FamilyTestCase):
+    """The functions of ``torch.utils._pytree_hf_cache`` on a stand-in cache."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        from torch.utils import _pytree_hf_cache as hf_cache
+
+        self.register_family(
+            ModuleCache,
+            flatten_fn=hf_cache.cache_flatten,
+            unflatten_fn=hf_cache.cache_unflatten,
+            flatten_with_keys_fn=hf_cache.cache_flatten_with_keys,
+        )
+
+    def _cache(self) -> ModuleCache:
+        cache = ModuleCache()
+        cache.update(torch.ones(1, 2, 3, 4), torch.zeros(1, 2, 3, 4))
+        cache.register_buffer("position", torch.arange(3))
+        cache.register_buffer("scratch", torch.ones(2), persistent=False)
+        cache.eval()
+        return cache
+
+    @pytree_impls
+    def test_module_cache_round_trip(self, pytree: Any) -> None:
+        cache = self._cache()
+        leaves, spec = pytree.tree_flatten(cache)
+        self.assertEqual(len(leaves), 4)
+        rebuilt = pytree.tree_unflatten(leaves, spec)
+        self.assertIs(type(rebuilt), ModuleCache)
+        self.assertFalse(rebuilt.training)
+        self.assertEqual(rebuilt._seen_tokens, 3)
+        self.assertEqual(rebuilt.key_cache, cache.key_cache)
+        self.assertEqual(rebuilt.position, cache.position)
+        self.assertEqual(list(rebuilt.state_dict()), ["position"])
+        self.assertEqual(rebuilt.scratch, torch.ones(2))
+        mapped = pytree.tree_map(lambda t: t + 1, cache)
+        self.assertEqual(mapped.value_cache[0], torch.ones(1, 2, 3, 4))
+        self.assertEqual(mapped.position, torch.arange(1, 4))
+        if pytree is py_pytree:
+            spec2 = py_pytree.treespec_loads(py_pytree.treespec_dumps(spec))
+            self.assertEqual(spec2, spec)
+            paths = [py_pytree.keystr(p) for p, _ in py_pytree.tree_flatten_with_path(cache)[0]]
+            self.assertEqual(
+                paths, [".position", ".scratch", ".key_cache[0]", ".value_cache[0]"]
+            )
+
+    def test_module_cache_with_parameters_or_hooks_is_refused(self) -> None:
+        with_parameter = self._cache()
+        with_parameter.weight = torch.nn.Parameter(torch.ones(1))
+        with self.assertRaisesRegex(TypeError, "registered parameters .weight."):
+            py_pytree.tree_flatten(with_parameter)
+        with_hook = self._cache()
+        with_hook.register_forward_hook(lambda *args: None)
+        with self.assertRaisesRegex(TypeError, "a cache with _forward_hooks"):
+            py_pytree.tree_flatten(with_hook)
+
+
 class TestPytreeFamilyMapping(FamilyTestCase):
     @pytree_impls
     def test_model_output_like_none_fields(self, pytree: Any) -> None:
@@ -1064,6 +1136,7 @@ class TestPytreeFamilySerialization(FamilyTestCase):
 
     def test_loads_imports_within_lazy_package(self) -> None:
         self.register_family("familypkg.base:Base")
+        importlib.import_module("familypkg.base")
         self.assertNotIn("familypkg.outputs", sys.modules)
         spec = py_pytree.treespec_loads(self._spec_json("familypkg.outputs.Out"))
         out_cls = sys.modules["familypkg.outputs"].Out
@@ -1074,9 +1147,12 @@ class TestPytreeFamilySerialization(FamilyTestCase):
         )
         self.assertIs(nested.type, sys.modules["familypkg.outputs"].Holder.Nested)
 
-    def _loads_new_modules(self, type_name: str) -> set[str]:
-        # The modules that a failing treespec_loads of `type_name` imported.
+    def _loads_new_modules(self, type_name: str, base_imported: bool = True) -> set[str]:
+        # The modules that a failing treespec_loads of `type_name` imported,
+        # with or without the lazy family's own module imported before.
         self._forget_modules()
+        if base_imported:
+            importlib.import_module("familypkg.base")
         before = set(sys.modules)
         with self.assertRaisesRegex(NotImplementedError, "is not registered"):
             py_pytree.treespec_loads(self._spec_json(type_name))
@@ -1094,22 +1170,21 @@ class TestPytreeFamilySerialization(FamilyTestCase):
             "familypkg",
         ):
             self.assertEqual(self._loads_new_modules(name), set(), name)
-        # Inside it: at most the one module that the name points to.
+        # Inside it: at most the one module that the name points to, and
+        # nothing at all while the family's own module is not imported (no
+        # member can exist then).
+        self.assertEqual(self._loads_new_modules("familypkg.base.Unrelated"), set())
         self.assertEqual(
-            self._loads_new_modules("familypkg.base.Unrelated"),
-            {"familypkg", "familypkg.base"},
+            self._loads_new_modules("familypkg.other.SIDE_EFFECT"), {"familypkg.other"}
         )
+        for name in ("familypkg.outputs.Out", "familypkg.other.X", "familypkg.Out"):
+            self.assertEqual(
+                self._loads_new_modules(name, base_imported=False), set(), name
+            )
+        # A module that does not exist: nothing.
+        self.assertEqual(self._loads_new_modules("familypkg.missing.Out"), set())
         self.assertEqual(
-            self._loads_new_modules("familypkg.other.SIDE_EFFECT"),
-            {"familypkg", "familypkg.other"},
-        )
-        # A module that does not exist: only its parent package, found while
-        # looking for it.
-        self.assertEqual(
-            self._loads_new_modules("familypkg.missing.Out"), {"familypkg"}
-        )
-        self.assertEqual(
-            self._loads_new_modules("familypkg.base.Out.Inner.Deeper"), {"familypkg"}
+            self._loads_new_modules("familypkg.base.Out.Inner.Deeper"), set()
         )
         # A module's __getattr__ (a lazy package) is never called.
         importlib.import_module("familypkg.lazy")
@@ -1121,16 +1196,13 @@ class TestPytreeFamilySerialization(FamilyTestCase):
     def test_loads_of_a_member_imports_only_its_module(self) -> None:
         self.register_family("familypkg.base:Base")
         self.assertEqual(
-            self._loads_new_modules("familypkg.outputs.Nope"),
-            {"familypkg", "familypkg.base", "familypkg.outputs"},
+            self._loads_new_modules("familypkg.outputs.Nope"), {"familypkg.outputs"}
         )
         self._forget_modules()
+        importlib.import_module("familypkg.base")
         before = set(sys.modules)
         spec = py_pytree.treespec_loads(self._spec_json("familypkg.outputs.Out"))
-        self.assertEqual(
-            set(sys.modules) - before,
-            {"familypkg", "familypkg.base", "familypkg.outputs"},
-        )
+        self.assertEqual(set(sys.modules) - before, {"familypkg.outputs"})
         self.assertIs(spec.type, sys.modules["familypkg.outputs"].Out)
 
     def test_loads_without_lazy_family_imports_nothing(self) -> None:
@@ -1435,6 +1507,7 @@ class TestPytreeFamilyCompile(FamilyTestCase):
 
 
 instantiate_parametrized_tests(TestPytreeFamilyResolution)
+instantiate_parametrized_tests(TestPytreeCacheFunctions)
 instantiate_parametrized_tests(TestPytreeFamilyMapping)
 instantiate_parametrized_tests(TestPytreeFamilyDataclass)
 instantiate_parametrized_tests(TestPytreeFamilySpecs)

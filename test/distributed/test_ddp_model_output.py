@@ -29,6 +29,12 @@ try:
     HAS_TRANSFORMERS = True
 except ImportError:
     HAS_TRANSFORMERS = False
+try:
+    import transformers.cache_utils  # noqa: F401
+
+    HAS_CACHE_UTILS = True
+except ImportError:
+    HAS_CACHE_UTILS = False
 
 
 WORLD_SIZE = 2
@@ -70,6 +76,48 @@ MODEL_SRC = textwrap.dedent(
     """
 )
 
+# A tiny Llama whose output carries a DynamicCache (an nn.Module in
+# transformers 4.36 to 4.5x); the loss uses the cache tensors too, so their
+# gradients must flow through DDP's handling of the output.
+LLAMA_MODEL_SRC = textwrap.dedent(
+    """
+    import torch
+    import torch.utils._pytree as pytree
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.cache_utils import DynamicCache
+
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            config = LlamaConfig(
+                vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+            )
+            config._attn_implementation = "eager"
+            self.lm = LlamaForCausalLM(config)
+
+        def forward(self, ids):
+            return self.lm(ids, past_key_values=DynamicCache(), use_cache=True)
+
+
+    def loss_fn(out):
+        cache_tensors = pytree.tree_leaves(out.past_key_values)
+        assert cache_tensors, "the DynamicCache holds no tensors"
+        return out.logits.square().mean() + sum(t.mean() for t in cache_tensors)
+
+
+    def make_model():
+        torch.manual_seed(0)
+        return Net()
+
+
+    def make_inputs(world_size, iterations):
+        g = torch.Generator().manual_seed(1)
+        return torch.randint(0, 64, (iterations, world_size, 2, 6), generator=g)
+    """
+)
+
 WORKER_SRC = textwrap.dedent(
     """
     import datetime, json, os, sys
@@ -81,7 +129,8 @@ WORKER_SRC = textwrap.dedent(
     namespace = {}
     exec(os.environ["DDP_TEST_MODEL_SRC"], namespace)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120))
-    model = DistributedDataParallel(namespace["make_model"](), static_graph=True)
+    ddp_kwargs = json.loads(os.environ["DDP_TEST_DDP_KWARGS"])
+    model = DistributedDataParallel(namespace["make_model"](), **ddp_kwargs)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     inputs = namespace["make_inputs"](world_size, iterations)
     grads, types = [], []
@@ -109,9 +158,9 @@ def _free_port():
 @unittest.skipIf(not HAS_TRANSFORMERS, "transformers is not installed")
 @unittest.skipIf(not dist.is_available() or not dist.is_gloo_available(), "gloo is not available")
 class TestDDPModelOutput(TestCase):
-    def _reference(self):
+    def _reference(self, model_src):
         namespace = {}
-        exec(MODEL_SRC, namespace)  # noqa: S102 - same source as the ranks run, trusted test code
+        exec(model_src, namespace)  # noqa: S102 - same source as the ranks run, trusted test code
         model = namespace["make_model"]()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         inputs = namespace["make_inputs"](WORLD_SIZE, ITERATIONS)
@@ -123,15 +172,17 @@ class TestDDPModelOutput(TestCase):
             loss.backward()
             grads.append({name: p.grad.clone() for name, p in model.named_parameters()})
             opt.step()
-        return grads, type(model(inputs[0, 0]))
+        out = model(inputs[0, 0])
+        return grads, type(out), list(out.keys())
 
-    def _run_ranks(self, out_dir):
+    def _run_ranks(self, out_dir, model_src, ddp_kwargs):
         env = os.environ.copy()
         env.update(
             PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(_free_port()),
-            DDP_TEST_MODEL_SRC=MODEL_SRC,
+            DDP_TEST_MODEL_SRC=model_src,
+            DDP_TEST_DDP_KWARGS=json.dumps(ddp_kwargs),
             HF_HUB_OFFLINE="1",
             TRANSFORMERS_OFFLINE="1",
             OMP_NUM_THREADS="1",
@@ -162,10 +213,12 @@ class TestDDPModelOutput(TestCase):
         if failures:
             self.fail("\n".join(failures))
 
-    def test_static_graph_gradients_match_single_process(self):
-        ref_grads, out_type = self._reference()
+    def _check_ranks_match_reference(self, model_src, ddp_kwargs, keys=None):
+        ref_grads, out_type, ref_keys = self._reference(model_src)
+        if keys is not None:
+            self.assertEqual(ref_keys, keys)
         with tempfile.TemporaryDirectory() as out_dir:
-            self._run_ranks(out_dir)
+            self._run_ranks(out_dir, model_src, ddp_kwargs)
             rank_grads = [torch.load(os.path.join(out_dir, f"grads{r}.pt")) for r in range(WORLD_SIZE)]
             rank_types = []
             for r in range(WORLD_SIZE):
@@ -175,14 +228,23 @@ class TestDDPModelOutput(TestCase):
         for r in range(WORLD_SIZE):
             for it in range(ITERATIONS):
                 # DDP hands back the same ModelOutput subclass with the same keys
-                self.assertEqual(
-                    rank_types[r][it], [expected_type, ["last_hidden_state", "pooler_output", "hidden_states"]]
-                )
+                self.assertEqual(rank_types[r][it], [expected_type, ref_keys])
                 self.assertEqual(rank_grads[r][it].keys(), ref_grads[it].keys())
                 for name, ref in ref_grads[it].items():
                     self.assertEqual(
                         rank_grads[r][it][name], ref, atol=1e-6, rtol=1e-5, msg=f"rank {r} iteration {it} {name}"
                     )
+
+    def test_static_graph_gradients_match_single_process(self):
+        self._check_ranks_match_reference(
+            MODEL_SRC, {"static_graph": True}, ["last_hidden_state", "pooler_output", "hidden_states"]
+        )
+
+    @unittest.skipIf(not HAS_CACHE_UTILS, "transformers < 4.36 has no Cache classes")
+    def test_find_unused_parameters_with_cache_output(self):
+        # The output's DynamicCache is flattened by DDP to find the tensors it
+        # returns; before transformers 4.56 the cache is an nn.Module.
+        self._check_ranks_match_reference(LLAMA_MODEL_SRC, {"find_unused_parameters": True})
 
 
 if __name__ == "__main__":
