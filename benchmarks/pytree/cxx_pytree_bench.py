@@ -219,8 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--rounds",
         type=int,
-        default=30,
-        help="rounds per (state, case, op) (default 30)",
+        default=120,
+        help="rounds per (state, case, op) (default 120)",
     )
     parser.add_argument(
         "--blocks",
