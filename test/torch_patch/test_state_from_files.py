@@ -9,6 +9,7 @@ Run: python -m pytest test/torch_patch -q
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -416,8 +417,9 @@ def test_documented_pytree_bench_command_finds_the_stock_file(docs_sandbox, doc)
     pasted: the real script starts, loads the stock file that `torch-patch stock-file` printed
     (sha256 of the wheel's RECORD entry) and compares it with the patched one; it is stopped
     once its header is printed (the timing takes minutes)."""
-    cmds = [c for c in doc_commands(REPO / doc, "torch-patch stock-file") if not _is_setup(c)]
-    assert any("pytree_bench.py" in c for c in cmds), cmds
+    cmds = [c for c in doc_commands(REPO / doc, "torch-patch stock-file")
+            if not _is_setup(c) and "/pytree_bench.py" in c]
+    assert cmds, doc
     for cmd in cmds:
         code, out = run_until(cmd, docs_sandbox, "- patched_source_identical_to_baseline:", env=_sandbox_env())
         assert code is None, f"{cmd}\nexited {code}:\n{out}"
@@ -425,6 +427,21 @@ def test_documented_pytree_bench_command_finds_the_stock_file(docs_sandbox, doc)
         assert "- patched_source_identical_to_baseline: False" in out
         assert "- patched_has_register_pytree_family: True" in out
         assert str(docs_sandbox / ".venv") in out and ".venv-stock" not in out
+
+
+def test_documented_cxx_pytree_bench_command_finds_the_stock_file(docs_sandbox):
+    """README's cxx_pytree_bench command runs as pasted and compares the stock
+    _cxx_pytree.py that `torch-patch stock-file` printed with the patched one; it is stopped
+    once its header is printed."""
+    cmds = [c for c in doc_commands(REPO / "README.md", "cxx_pytree_bench.py") if not _is_setup(c)]
+    assert len(cmds) == 1 and "torch-patch stock-file torch/utils/_cxx_pytree.py" in cmds[0], cmds
+    code, out = run_until(cmds[0], docs_sandbox, "- torch 2.13.0", env=_sandbox_env())
+    assert code is None, f"{cmds[0]}\nexited {code}:\n{out}"
+    header = next(line for line in out.splitlines() if line.startswith("# _cxx_pytree: stock ("))
+    stock_path = Path(header.split("stock (", 1)[1].split(") vs patched", 1)[0])
+    sha = hashlib.sha256(stock_path.read_bytes()).hexdigest()
+    assert sha == _stock_sha("torch/utils/_cxx_pytree.py"), header
+    assert str(docs_sandbox / ".venv") in header
 
 
 def test_documented_compile_time_command_compares_two_builds(docs_sandbox):
