@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from tp_helpers import (NEW_FILE, REPO, TEST_FILES, doc_commands, git, make_venv, run_cli, run_until,
-                        simulate_pip_reinstall, stock_torch_farm, tree_digest)
+                        simulate_pip_reinstall, standin_checkout, stock_torch_farm, tree_digest)
 
 from torch_patch import core
 
@@ -114,17 +114,9 @@ def test_partly_applied_is_reported_and_completed(target, test_series):
 # checkouts: git checkout . / git stash -u, git am, plain git apply
 
 
-def _checkout(path: Path, template: Path) -> Path:
-    shutil.copytree(template / "torch", path / "torch")
-    git("init", "-q", cwd=path)
-    git("add", "-A", cwd=path)
-    git("commit", "-q", "-m", "v2.13.0 stand-in", cwd=path)
-    return path
-
-
 @pytest.mark.parametrize("undo", [["checkout", "."], ["stash", "-u"]])
 def test_checkout_undone_with_git_is_not_applied(tmp_path, template, test_series, undo):
-    co = _checkout(tmp_path / "pytorch", template)
+    co = standin_checkout(tmp_path / "pytorch", template)
     assert run_cli("apply", co, "--series", test_series).returncode == 0
     assert git(*undo, cwd=co).returncode == 0
     r = run_cli("status", co, "--series", test_series)
@@ -141,7 +133,7 @@ def test_checkout_undone_with_git_is_not_applied(tmp_path, template, test_series
 
 
 def test_checkout_with_series_committed_status_agrees_with_apply(tmp_path, template, test_series):
-    co = _checkout(tmp_path / "pytorch", template)
+    co = standin_checkout(tmp_path / "pytorch", template)
     am = git("am", *[str(test_series / n) for n in names(test_series)], cwd=co, check=False)
     assert am.returncode == 0, am.stderr
     r = run_cli("status", co, "--series", test_series, "--json")
@@ -158,7 +150,7 @@ def test_checkout_with_series_committed_status_agrees_with_apply(tmp_path, templ
 
 
 def test_checkout_with_plain_git_apply(tmp_path, template, test_series):
-    co = _checkout(tmp_path / "pytorch", template)
+    co = standin_checkout(tmp_path / "pytorch", template)
     ga = git("apply", *[str(test_series / n) for n in names(test_series)], cwd=co, check=False)
     assert ga.returncode == 0, ga.stderr
     r = run_cli("status", co, "--series", test_series)

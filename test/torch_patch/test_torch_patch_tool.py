@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tp_helpers import NEW_FILE, REPO, TEST_FILES, git, run_cli, tree_digest
+from tp_helpers import NEW_FILE, REPO, TEST_FILES, git, run_cli, standin_checkout, tree_digest
 
 import torch_patch
 from torch_patch import core
@@ -306,16 +306,8 @@ def test_target_inside_enclosing_git_repo(tmp_path, template, test_series):
     assert tree_digest(target) == before
 
 
-def _standin_checkout(path: Path, template: Path) -> Path:
-    shutil.copytree(template / "torch", path / "torch")
-    git("init", "-q", cwd=path)
-    git("add", "-A", cwd=path)
-    git("commit", "-q", "-m", "v2.13.0 stand-in", cwd=path)
-    return path
-
-
 def test_checkout_target(tmp_path, template, test_series):
-    co = _standin_checkout(tmp_path / "pytorch", template)
+    co = standin_checkout(tmp_path / "pytorch", template)
     r = run_cli("apply", co, "--series", test_series)
     assert r.returncode == 0, r.stderr
     assert "(checkout)" in r.stdout
@@ -331,7 +323,7 @@ def test_checkout_target(tmp_path, template, test_series):
 
 def test_checkout_with_series_committed(tmp_path, template, test_series):
     """After `git am` of the series, apply recognises the files as already patched."""
-    co = _standin_checkout(tmp_path / "pytorch", template)
+    co = standin_checkout(tmp_path / "pytorch", template)
     names = series_names(test_series)
     assert git("am", *[str(test_series / n) for n in names], cwd=co, check=False).returncode == 0
     r = run_cli("apply", co, "--series", test_series)
@@ -438,7 +430,7 @@ def test_export_git_am_and_byte_stable(tmp_path, template, test_series):
     assert "test/torch_patch" not in tests_patch and "__pycache__" not in tests_patch
     assert "python benchmarks/pytree/bench_family.py" in (out / names[3]).read_text()
 
-    co = _standin_checkout(tmp_path / "pytorch", template)
+    co = standin_checkout(tmp_path / "pytorch", template)
     am = git("am", "--keep-non-patch", *[str(out / n) for n in names], cwd=co, check=False)
     assert am.returncode == 0, am.stderr
     subjects = git("log", "--format=%s", "-2", cwd=co).stdout.splitlines()

@@ -152,3 +152,12 @@ def doc_commands(markdown: Path, must_contain: str) -> list:
                 out.append(cmd)
     assert out, f"no code block of {markdown} contains {must_contain!r}"
     return out
+
+
+def standin_checkout(path: Path, template: Path) -> Path:
+    """A git checkout at ``path`` holding a copy of ``template``'s ``torch/``, committed."""
+    shutil.copytree(template / "torch", path / "torch")
+    git("init", "-q", cwd=path)
+    git("add", "-A", cwd=path)
+    git("commit", "-q", "-m", "v2.13.0 stand-in", cwd=path)
+    return path
