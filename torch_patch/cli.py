@@ -188,6 +188,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     except TorchPatchError as e:
         print(f"torch-patch: error: {e}", file=sys.stderr, flush=True)
         return e.code
+    except OSError as e:  # e.g. no space left in the temporary directory while examining
+        print(f"torch-patch: error: {e}", file=sys.stderr, flush=True)
+        return core.EXIT_ERROR
     except KeyboardInterrupt:
         print(f"torch-patch: stopped by Ctrl-C{_after_interrupt(args)}", file=sys.stderr, flush=True)
         return core.EXIT_SIGINT

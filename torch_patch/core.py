@@ -126,13 +126,22 @@ def _keep_owner(new: Path, old: Path) -> None:
 
 
 def _write_json_atomic(path: Path, data: dict) -> None:
+    """Write ``path`` via a fresh ``<name>.tmp`` and ``os.replace``.  The temporary file is
+    created with O_EXCL | O_NOFOLLOW, so a planted ``.tmp`` symlink is never written through,
+    and it is removed again if writing fails (disk full), so the old file stays as it was."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    try:
+        with open(fd, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=2, sort_keys=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     _fsync_dir(path.parent)
 
 
@@ -152,8 +161,8 @@ def _read_json(path: Path) -> Optional[dict]:
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as e:
-        raise TorchPatchError(f"cannot read {path}: {e}; the torch-patch state is damaged "
-                              f"(reinstall torch=={EXPECTED_TORCH_VERSION} and delete {path.parent})")
+        raise TorchPatchError(f"cannot read {path}: {e}; the torch-patch state is damaged: remove {path} "
+                              f"(the files themselves tell whether the series is applied)")
 
 
 # --------------------------------------------------------------------------------------------
@@ -310,6 +319,7 @@ class Target:
     kind: str  # "checkout" | "installed"
     state_dir: Path
     torch_missing: bool = False  # installed target whose torch was uninstalled (leftovers only)
+    changed: bool = dataclasses.field(default=False, compare=False)  # this run replaced a file of it
 
     @property
     def state_file(self) -> Path:
@@ -556,6 +566,7 @@ def _locked(t: Target, *, shared: bool = False, log: Optional[Log] = None) -> It
         raise TorchPatchError(f"cannot open {t.lock_path} to lock it: {e.strerror or e}")
     try:
         _flock(t, fd, shared, log)
+        _check_state_owners(t)
         if shared:
             yield
             return
@@ -604,16 +615,223 @@ def _check_dirs_writable(t: Target, rels: Iterable[str]) -> None:
             raise _not_writable(d, e)
 
 
+# --------------------------------------------------------------------------------------------
+# the state dir's files: schema, paths, owners
+#
+# torch-patch may run as root on a tree that another user owns (a venv, a checkout).  That user
+# can write the state dir, so ``state.json`` and ``journal.json`` are untrusted input: they are
+# checked against a schema before anything acts on them, every path in them must name a file of
+# the torch package inside the target root (relative, normalized, no symlinked directory leading
+# out of the root), ``stage`` must be a ``stage-*`` directory directly inside the state dir, and
+# files owned by a third user are refused.  Nothing is then written or deleted outside the
+# target root and its state dir.  (This checks what is on disk when the run starts; an owner
+# racing the run by swapping directories for symlinks meanwhile is not defended against.)
+
+_SHA256_RE = re.compile(r"[0-9a-f]{64}")
+_STAGE_RE = re.compile(r"stage-[A-Za-z0-9_]+")  # what _new_stage (tempfile.mkdtemp) creates
+
+
+class _Invalid(Exception):
+    """A state/journal file does not match the schema (the message says where)."""
+
+
+def _bad_rel(rel: object) -> Optional[str]:
+    """Why ``rel`` is not a path of a file of the torch package, relative to the target root
+    (None if it is one)."""
+    if not isinstance(rel, str) or not rel:
+        return "not a non-empty string"
+    if rel.startswith("/") or os.path.isabs(rel) or "\\" in rel or "\0" in rel:
+        return "an absolute path" if rel.startswith("/") or os.path.isabs(rel) else "not a plain POSIX path"
+    parts = rel.split("/")
+    if ".." in parts:
+        return "contains `..`"
+    if any(part in ("", ".") for part in parts):
+        return "not normalized"
+    if parts[0] != "torch" or len(parts) < 2:
+        return "outside the torch package"
+    return None
+
+
+def _check_sha(value: object, where: str) -> None:
+    if value is not None and not (isinstance(value, str) and _SHA256_RE.fullmatch(value)):
+        raise _Invalid(f"{where} is {value!r}, not a hex sha256 or null")
+
+
+def _check_keys(obj: object, where: str, required: Dict[str, tuple], optional: Dict[str, tuple]) -> dict:
+    if not isinstance(obj, dict):
+        raise _Invalid(f"{where} is a {type(obj).__name__}, not an object")
+    missing = [k for k in required if k not in obj]
+    if missing:
+        raise _Invalid(f"{where} has no {', '.join(repr(k) for k in missing)}")
+    unknown = [k for k in obj if k not in required and k not in optional]
+    if unknown:
+        raise _Invalid(f"{where} has unknown key {unknown[0]!r}")
+    for k, types in {**required, **optional}.items():
+        if k in obj and (not isinstance(obj[k], types) or (isinstance(obj[k], bool) and bool not in types)):
+            names = " or ".join("null" if ty is type(None) else ty.__name__ for ty in types)
+            raise _Invalid(f"{where}: {k!r} is {type(obj[k]).__name__} {obj[k]!r:.60}, not {names}")
+    return obj
+
+
+def _check_files(files: dict, where: str) -> None:
+    for rel, rec in files.items():
+        why = _bad_rel(rel)
+        if why is not None:
+            raise _Invalid(f"{where}: file path {rel!r} is {why}")
+        _check_keys(rec, f"{where}[{rel!r}]", {"before": (str, type(None)), "after": (str, type(None))}, {})
+        _check_sha(rec["before"], f"{where}[{rel!r}]['before']")
+        _check_sha(rec["after"], f"{where}[{rel!r}]['after']")
+
+
+_STATE_KEYS = {"series_id": (str,), "patches": (list,), "files": (dict,)}
+_STATE_OPTIONAL = {"format": (int,), "torch_version": (str, type(None)), "kind": (str,)}
+
+
+def _check_state_schema(state: object, where: str = "state") -> dict:
+    _check_keys(state, where, _STATE_KEYS, _STATE_OPTIONAL)
+    if state.get("format", STATE_FORMAT) != STATE_FORMAT:
+        raise _Invalid(f"{where}: format {state['format']!r} is not {STATE_FORMAT} (written by another "
+                       f"version of torch-patch?)")
+    if not all(isinstance(name, str) for name in state["patches"]):
+        raise _Invalid(f"{where}: 'patches' is not a list of names")
+    _check_files(state["files"], f"{where}['files']")
+    return state
+
+
+def _check_journal_schema(journal: object) -> dict:
+    _check_keys(journal, "the journal", {"op": (str,), "stage": (str,), "files": (dict,)},
+                {"layout": (int,), "state": (dict,)})
+    if journal["op"] not in ("apply", "revert"):
+        raise _Invalid(f"'op' is {journal['op']!r}, not 'apply' or 'revert'")
+    if journal.get("layout", 1) not in (1, 2):
+        raise _Invalid(f"'layout' is {journal['layout']!r}, not 1 or 2")
+    if not _STAGE_RE.fullmatch(journal["stage"]):
+        raise _Invalid(f"'stage' is {journal['stage']!r}, not the name of a stage-* directory in the state dir")
+    _check_files(journal["files"], "'files'")
+    if journal["op"] == "apply":
+        if "state" not in journal:
+            raise _Invalid("an apply journal has no 'state'")
+        _check_state_schema(journal["state"], "'state'")
+    return journal
+
+
+def _damaged(path: Path, why: str, fix: str) -> TorchPatchError:
+    return TorchPatchError(f"{path} is damaged or not written by torch-patch ({why}); {fix}")
+
+
+def _state_fix(t: Target) -> str:
+    return (f"remove {t.state_file} (the files themselves tell whether the series is applied; "
+            f"`torch-patch revert` then restores stock torch with `git apply --reverse`)")
+
+
+def _journal_fix(t: Target) -> str:
+    return (f"remove {t.journal_file} (then `torch-patch status` tells the state from the files, and "
+            f"`torch-patch revert` restores stock torch)")
+
+
+def _within_real(path: Path, base: Path) -> bool:
+    """``path``'s directory, symlinks resolved, is ``base`` or below it (``base`` resolved too)."""
+    return _is_within(Path(os.path.realpath(path.parent)), Path(os.path.realpath(base)))
+
+
+def _inside(base: Path, rel: str, fix: str) -> Path:
+    """``base / rel`` for a file torch-patch keeps in its state dir, refusing symlinks: none of
+    its directories may lead out of ``base``, and it may not be a symlink itself."""
+    path = base / rel
+    if not _within_real(path, base) or path.is_symlink():
+        raise TorchPatchError(f"{path} is (or lies below) a symbolic link out of {base}; torch-patch "
+                              f"never follows links in its state dir: {fix}")
+    return path
+
+
+def _check_target_file(t: Target, rel: str) -> Path:
+    """``t.root / rel`` for a file torch-patch may replace: its directories must not lead out
+    of the target root, and it must not be a symlink (torch-patch replaces files with os.replace,
+    which would turn the link into a regular file, leaving its target stale)."""
+    path = t.root / rel
+    if not _within_real(path, t.root):
+        real = os.path.realpath(path.parent)
+        raise TorchPatchError(f"{path.parent} leads outside the target {t.root} (symbolic link to {real}); "
+                              f"torch-patch writes only inside the target: replace the link by the "
+                              f"directory it points to, or patch {real} itself — nothing was changed")
+    if path.is_symlink():
+        raise TorchPatchError(
+            f"{path} is a symbolic link (to {os.readlink(path)}); torch-patch replaces the files it patches "
+            f"and would turn the link into a regular file: replace the link by a copy of the file "
+            f"(cp --remove-destination \"$(readlink -f {path})\" {path}) or patch the target it points "
+            f"into — nothing was changed")
+    return path
+
+
+def _owner_uid(path: Path) -> Optional[int]:
+    """Owner of ``path`` (not following a symlink), or None if it does not exist."""
+    try:
+        return os.lstat(path).st_uid
+    except FileNotFoundError:
+        return None
+
+
+def _user(uid: Optional[int]) -> str:
+    import pwd
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except (KeyError, TypeError):
+        return f"uid {uid}"
+
+
+def _check_state_owners(t: Target) -> None:
+    """Refuse a state dir, journal or state file owned by someone other than the owner of the
+    target's torch files.  Also accepted: files of the user running torch-patch (it wrote them
+    itself, or they are theirs) and of root (who can change everything anyway), e.g. the state
+    root left when it patched another user's tree.  A third user (say, a member of a group that
+    may write site-packages) could plant records that make torch-patch write, as whoever runs it,
+    into files that user may not write; so those are refused."""
+    torch_path = next((p for p in (t.root / "torch" / "__init__.py", t.root / "torch", t.root)
+                       if _owner_uid(p) is not None), t.root)
+    owner = _owner_uid(torch_path)
+    trusted = {owner, os.geteuid(), 0}
+    for path in (t.state_dir, t.journal_file, t.state_file):
+        uid = _owner_uid(path)
+        if uid is not None and uid not in trusted:
+            raise TorchPatchError(
+                f"{path} is owned by {_user(uid)}, but the torch files in {t.root} by {_user(owner)}: "
+                f"torch-patch does not act on records another user could have planted; remove {path} if "
+                f"you did not make it (or `chown {owner} {path}` if you trust it), then retry")
+    if t.state_dir.is_symlink():
+        raise TorchPatchError(f"{t.state_dir} is a symbolic link (to {os.readlink(t.state_dir)}); torch-patch "
+                              f"keeps its state only in a real directory: remove the link, then retry")
+
+
 def read_state(t: Target) -> Optional[dict]:
+    """The records of the last apply (validated: schema, paths inside the target), or None."""
     state = _read_json(t.state_file)
-    if state is not None and not (isinstance(state.get("files"), dict) and "series_id" in state):
-        raise TorchPatchError(f"{t.state_file} is not a torch-patch state file; delete {t.state_dir} "
-                              f"(the files themselves tell whether the series is applied)")
+    if state is None:
+        return None
+    try:
+        _check_state_schema(state)
+    except _Invalid as e:
+        raise _damaged(t.state_file, str(e), _state_fix(t)) from None
+    for rel in state["files"]:
+        _check_target_file(t, rel)
     return state
 
 
 def read_journal(t: Target) -> Optional[dict]:
-    return _read_json(t.journal_file)
+    """The journal of a switch that did not finish (validated: schema, paths inside the target
+    root and stage), or None."""
+    journal = _read_json(t.journal_file)
+    if journal is None:
+        return None
+    try:
+        _check_journal_schema(journal)
+    except _Invalid as e:
+        raise _damaged(t.journal_file, str(e), _journal_fix(t)) from None
+    stage = t.state_dir / journal["stage"]
+    if stage.is_symlink() or (stage.exists() and not stage.is_dir()):
+        raise _damaged(t.journal_file, f"its stage {stage} is not a directory", _journal_fix(t))
+    for rel in journal["files"]:
+        _check_target_file(t, rel)
+    return journal
 
 
 def modified_files(t: Target, state: dict) -> List[str]:
@@ -736,6 +954,8 @@ class _Exam:
         self.records = read_state(t)
         rels = dict.fromkeys(series.files)
         rels.update(dict.fromkeys(sorted(self.records["files"]) if self.records else ()))
+        for rel in rels:
+            _check_target_file(t, rel)  # refuse symlinks up front: nothing examined or changed yet
         self.record = record
         if record is None and t.kind == "installed":
             with contextlib.suppress(TorchPatchError, OSError, ValueError):
@@ -931,8 +1151,8 @@ def _signals_held() -> Iterator[None]:
             signal.raise_signal(s)
 
 
-def _stage_src(stage: Path, journal: dict, rel: str) -> Path:
-    return stage / "new" / rel if journal.get("layout", 1) >= 2 else stage / rel
+def _stage_src(stage: Path, journal: dict, rel: str, fix: str) -> Path:
+    return _inside(stage, "new/" + rel if journal.get("layout", 1) >= 2 else rel, fix)
 
 
 def _commit(t: Target, journal: dict) -> int:
@@ -943,7 +1163,7 @@ def _commit(t: Target, journal: dict) -> int:
     sigint_budget = _fault_budget(SIGINT_ENV)
     moved = 0
     for rel, rec in sorted(journal["files"].items()):
-        dst = t.root / rel
+        dst = _check_target_file(t, rel)
         cur = sha256_file(dst)
         if cur == rec["after"]:
             continue
@@ -951,10 +1171,11 @@ def _commit(t: Target, journal: dict) -> int:
             raise TorchPatchError(
                 f"{dst} changed while an interrupted {journal['op']} was pending (sha256 {cur}); "
                 f"reinstall torch=={EXPECTED_TORCH_VERSION} and delete {t.state_dir}")
+        t.changed = True
         if rec["after"] is None:
             dst.unlink()
         else:
-            src = _stage_src(stage, journal, rel)
+            src = _stage_src(stage, journal, rel, _journal_fix(t))
             if sha256_file(src) != rec["after"]:
                 raise TorchPatchError(f"staged copy {src} is missing or damaged; reinstall "
                                       f"torch=={EXPECTED_TORCH_VERSION} and delete {t.state_dir}")
@@ -969,6 +1190,8 @@ def _commit(t: Target, journal: dict) -> int:
     if journal["op"] == "apply":
         new_orig = stage / "orig"
         if journal.get("layout", 1) >= 2 and new_orig.exists():
+            if new_orig.is_symlink() or t.orig_dir.is_symlink():
+                raise _damaged(t.journal_file, f"{new_orig} or {t.orig_dir} is a symbolic link", _journal_fix(t))
             shutil.rmtree(t.orig_dir, ignore_errors=True)
             os.replace(new_orig, t.orig_dir)
         _write_json_atomic(t.state_file, journal["state"])
@@ -989,6 +1212,8 @@ def _drop_bytecode(t: Target, removed: Iterable[str]) -> None:
         if path.exists():
             continue
         cache = path.parent / "__pycache__"
+        if cache.is_symlink() or not _within_real(cache / "x", t.root):
+            continue  # never delete through a link out of the target
         for pyc in cache.glob(f"{path.stem}.*.pyc"):
             pyc.unlink(missing_ok=True)
         with contextlib.suppress(OSError):
@@ -999,8 +1224,9 @@ def _rollback_apply(t: Target, journal: dict) -> None:
     """Undo an interrupted apply: put the files back as they were before it."""
     stage = t.state_dir / journal["stage"]
     new_orig = stage / "orig"
+    fix = _journal_fix(t)
     for rel, rec in sorted(journal["files"].items()):
-        dst = t.root / rel
+        dst = _check_target_file(t, rel)
         cur = sha256_file(dst)
         if cur == rec["before"]:
             continue
@@ -1008,15 +1234,19 @@ def _rollback_apply(t: Target, journal: dict) -> None:
             raise TorchPatchError(f"{dst} changed while an interrupted apply was pending; reinstall "
                                   f"torch=={EXPECTED_TORCH_VERSION} and delete {t.state_dir}")
         if rec["before"] is None:
+            t.changed = True
             dst.unlink()
             continue
-        orig = new_orig / rel if (new_orig / rel).exists() else t.orig_dir / rel
-        tmp = stage / "rollback" / rel
+        orig = _inside(stage, "orig/" + rel, fix)
+        if not orig.exists():
+            orig = _inside(t.state_dir, "orig/" + rel, fix)
+        tmp = _inside(stage, "rollback/" + rel, fix)
         _copy_file(orig, tmp)
         if sha256_file(tmp) != rec["before"]:
             raise TorchPatchError(f"saved original {orig} is damaged; reinstall "
                                   f"torch=={EXPECTED_TORCH_VERSION} and delete {t.state_dir}")
         _keep_owner(tmp, dst)
+        t.changed = True
         os.replace(tmp, dst)
     t.journal_file.unlink()
     shutil.rmtree(stage, ignore_errors=True)
@@ -1062,7 +1292,7 @@ def _check_original(t: Target, v: FileView) -> Optional[Path]:
     """The saved original of a file patched by torch-patch, verified by sha256."""
     if v.stock_sha is None:
         return None
-    src = t.orig_dir / v.rel
+    src = _inside(t.state_dir, "orig/" + v.rel, _state_fix(t))
     if sha256_file(src) != v.stock_sha:
         raise TorchPatchError(f"saved original {src} is missing or damaged; reinstall "
                               f"torch=={EXPECTED_TORCH_VERSION} (pip install --force-reinstall) "
@@ -1191,22 +1421,46 @@ def apply(target: Optional[os.PathLike] = None, *, series_dir: Optional[os.PathL
     t = resolve_target(target, allow_system=allow_system)
     version = check_base(t)
     require_git()
-    with _locked(t, log=log):
-        journal = read_journal(t)
-        if journal is not None:
-            _resolve_journal(t, journal, "apply", log)
-        for attempt in (1, 2):
-            stage = _new_stage(t)
-            try:
-                exam = _Exam(t, series, stage / "exam")
-                done = _apply_decide(t, series, exam, version, stage, reapply, force, attempt, log)
-            except BaseException:
+    with _write_errors(t, "apply", series_dir):
+        with _locked(t, log=log):
+            journal = read_journal(t)
+            if journal is not None:
+                _resolve_journal(t, journal, "apply", log)
+            for attempt in (1, 2):
+                stage = _new_stage(t)
+                try:
+                    exam = _Exam(t, series, stage / "exam")
+                    done = _apply_decide(t, series, exam, version, stage, reapply, force, attempt, log)
+                except BaseException:
+                    shutil.rmtree(stage, ignore_errors=True)
+                    raise
                 shutil.rmtree(stage, ignore_errors=True)
-                raise
-            shutil.rmtree(stage, ignore_errors=True)
-            if done is not None:
-                return done
-        raise AssertionError("unreachable")
+                if done is not None:
+                    return done
+    raise AssertionError("unreachable")
+
+
+@contextlib.contextmanager
+def _write_errors(t: Target, verb: str, series_dir: Optional[os.PathLike]) -> Iterator[None]:
+    """Turn an OSError of apply/revert (disk full, quota, I/O error) into one line that says what
+    failed and what the target is now.  Until the journal is written, nothing in the target has
+    changed (the stage is removed again); after it, the files are switched one ``os.replace`` at a
+    time, so the target is either as before, or the journal records how to finish."""
+    try:
+        yield
+    except OSError as e:
+        what = (e.strerror or str(e)) + (f" (writing {e.filename})" if e.filename else "")
+        fix = ("free some space on that filesystem" if e.errno in (errno.ENOSPC, errno.EDQUOT)
+               else "fix that")
+        if not t.changed and not t.journal_file.exists():
+            raise TorchPatchError(f"{verb} failed: {what}; nothing was changed in {t.root} (it is as it "
+                                  f"was before): {fix}, then retry") from None
+        try:
+            now = status(t.root, series_dir=series_dir).message
+        except (TorchPatchError, OSError) as e2:
+            now = f"unknown ({e2}; see `torch-patch status`)"
+        raise TorchPatchError(f"{verb} failed: {what}; {t.root} is now: {now} — {fix}, then run "
+                              f"`torch-patch {verb}` again") from None
 
 
 def _apply_decide(t: Target, series: Series, exam: _Exam, version: str, stage: Path, reapply: bool,
@@ -1283,7 +1537,7 @@ def revert(target: Optional[os.PathLike] = None, *, force: bool = False, allow_s
     check_base(t)
     series = _series_or_empty(series_dir)
     require_git()
-    with _locked(t, log=log):
+    with _write_errors(t, "revert", series_dir), _locked(t, log=log):
         journal = read_journal(t)
         if journal is not None:
             _resolve_journal(t, journal, "revert", log)
@@ -1338,7 +1592,7 @@ def _remove_debris(t: Target, series_dir: Optional[os.PathLike], log: Log) -> No
                         expected.setdefault(rel, set()).add(sha256_file(root / rel))
         removed, kept = [], []
         for rel, shas in sorted(expected.items()):
-            path = t.root / rel
+            path = _check_target_file(t, rel)
             if not path.exists():
                 continue
             if sha256_file(path) in shas:
