@@ -19,7 +19,8 @@ exit codes (all verbs):
   3  base mismatch: the target is not torch {EXPECTED_TORCH_VERSION}, or torch is not installed there
      (only leftovers: `torch-patch revert` removes them)
   4  status: interrupted (an apply/revert was killed midway; apply finishes it, revert rolls it back)
-  5  error (message on stderr; nothing was changed)
+  5  error (one line on stderr naming the problem and the fix; nothing was changed, unless it
+     says what the target is now, e.g. the disk filled up after the files were switched)
   130  stopped by Ctrl-C (the message says what state the target was left in)
 """
 
@@ -28,6 +29,12 @@ STATE_HELP = ("The state is derived from the files themselves (git apply --check
               "never from torch-patch's records alone: a reinstalled torch or `git checkout .` is "
               "`not applied`, a series committed with `git am` or applied with plain `git apply` is "
               "`applied`.")
+
+TRUST_HELP = ("state.json and journal.json (in the state dir) are checked before use: a damaged one, one "
+              "owned by a user other than the owner of the torch files (or you, or root), or one naming a "
+              "path outside the target is refused with the file and the fix; a file the series touches "
+              "that is a symlink is refused before anything changes. Nothing is written outside the "
+              "target and its state dir.")
 
 TARGET_HELP = ("a PyTorch checkout root (torch/__init__.py + .git), or a directory containing an installed "
                "torch/ package such as a venv's site-packages (default: the torch this Python imports)")
@@ -63,7 +70,11 @@ def _parser() -> argparse.ArgumentParser:
                                    "already hold the series (applied before, `git am`, `git apply`), "
                                    "nothing is done; files left stock by a reinstall or `git checkout` are "
                                    "patched again. Waits while another torch-patch works on the same "
-                                   "target.\n\n" + STATE_HELP)
+                                   "target. Then writes the __pycache__ bytecode of the changed .py files "
+                                   "with the target's Python (the running one, or the venv's bin/python; "
+                                   "not for a checkout), so processes that cannot write it do not "
+                                   "recompile; a failure there is only a warning.\n\n" + STATE_HELP
+                                   + "\n\n" + TRUST_HELP)
     a.add_argument("target", nargs="?", metavar="TARGET", help=TARGET_HELP)
     a.add_argument("--allow-system", action="store_true",
                    help="allow the default target even if this Python is not in a virtual environment")
@@ -82,7 +93,8 @@ def _parser() -> argparse.ArgumentParser:
                                    "edited after apply, unless --force. Rolls back an interrupted apply. "
                                    "Refuses on a checkout whose HEAD has the series committed (use git). "
                                    "After `pip uninstall torch`, removes what torch-patch left behind "
-                                   "(the files the series adds, and .torch-patch/).\n\n" + STATE_HELP)
+                                   "(the files the series adds, and .torch-patch/). Writes the bytecode "
+                                   "of the restored files like apply.\n\n" + STATE_HELP + "\n\n" + TRUST_HELP)
     r.add_argument("target", nargs="?", metavar="TARGET", help=TARGET_HELP)
     r.add_argument("--force", action="store_true", help="restore originals even over edits made after apply")
     r.add_argument("--allow-system", action="store_true",

@@ -26,7 +26,11 @@ Design (see README.md / CONTRIBUTING.md):
   shared, so it never reports a switch in progress as ``interrupted``.
 * State (series id, sha256 of every touched file before/after, byte copies of the originals)
   lives in ``<root>/.torch-patch/`` for installed torch and ``<git-dir>/torch-patch/`` for a
-  checkout.
+  checkout.  It is untrusted input (root may run the tool on a tree another user owns): the
+  state and the journal are validated before use, and records of a third user are refused
+  (see "the state dir's files" below).
+* After a switch, the ``__pycache__`` bytecode of the changed ``.py`` files is written with the
+  target's interpreter (``_write_bytecode``); bytecode is not part of the state.
 """
 
 from __future__ import annotations
@@ -1220,6 +1224,104 @@ def _drop_bytecode(t: Target, removed: Iterable[str]) -> None:
             cache.rmdir()
 
 
+# The .pyc writer: stdlib only, so that it runs in the target's own interpreter (``python -I -S
+# -c``, arguments: the target root and the sources) or, for the running interpreter, in process.
+# Timestamp-checked .pyc files, as pip writes them for a wheel (py_compile would otherwise pick
+# checked-hash ones when SOURCE_DATE_EPOCH is set), at optimization level 0 and at each level
+# that already had a (now stale) .pyc.  A .pyc that is a symlink is replaced, never written
+# through; a __pycache__ that leads out of the target is left alone.
+_PYC_WRITER = r'''
+import importlib.util, os, py_compile, sys
+
+
+def write_pycs(root, sources):
+    """Write the .pyc files of ``sources`` (paths of .py files below ``root``); return failures."""
+    failed = []
+    real_root = os.path.realpath(root)
+    for src in sources:
+        levels = [0] + [lvl for lvl in (1, 2)
+                        if os.path.lexists(importlib.util.cache_from_source(src, optimization=lvl))]
+        for lvl in levels:
+            pyc = importlib.util.cache_from_source(src, optimization=lvl or "")
+            try:
+                cache = os.path.dirname(pyc)
+                if os.path.islink(cache) or \
+                        os.path.commonpath([real_root, os.path.realpath(cache)]) != real_root:
+                    raise OSError(f"{cache} is a symbolic link")
+                if os.path.islink(pyc):
+                    os.unlink(pyc)
+                py_compile.compile(src, pyc, doraise=True, optimize=lvl,
+                                   invalidation_mode=py_compile.PycInvalidationMode.TIMESTAMP)
+            except (OSError, py_compile.PyCompileError) as e:
+                failed.append(f"{pyc}: {e}")
+    return failed
+
+
+if __name__ == "__main__":
+    for line in write_pycs(sys.argv[1], sys.argv[2:]):
+        print(line)
+'''
+
+
+def _target_python(t: Target) -> Optional[str]:
+    """The interpreter that imports the target's torch, or None if there is none to tell:
+
+    * the running one, if the target is on its ``sys.path`` (the running venv's torch, or
+      ``PYTHONPATH``);
+    * for ``<prefix>/lib/pythonX.Y/site-packages``: ``<prefix>/bin/pythonX.Y`` (or ``python3``,
+      ``python``) if it exists, e.g. another venv;
+    * none for a checkout (a development install imports from the tree, which its owner builds
+      and imports with their own Python, writing the bytecode as usual) or any other directory."""
+    if t.kind != "installed":
+        return None
+    root = os.path.realpath(t.root)
+    if any(p and os.path.realpath(p) == root for p in sys.path):
+        return sys.executable
+    lib = t.root.parent
+    m = re.fullmatch(r"python(\d+)\.(\d+)t?", lib.name)
+    if m and t.root.name in ("site-packages", "dist-packages") and lib.parent.name in ("lib", "lib64"):
+        for name in (lib.name, f"python{m[1]}", "python"):
+            exe = lib.parent.parent / "bin" / name
+            if exe.is_file() and os.access(exe, os.X_OK):
+                return str(exe)
+    return None
+
+
+def _write_bytecode(t: Target, rels: Iterable[str], log: Optional[Log]) -> None:
+    """Write the ``__pycache__`` .pyc files of the .py files among ``rels`` (just switched
+    over), compiled by the target's interpreter (``_target_python``), so that a process that
+    cannot write bytecode there does not recompile them on every import.  Bytecode is not part
+    of the state (``status`` ignores it).  Never fails: a problem is one warning line.
+
+    Run as root on a tree another user owns, the compiler runs as that user (its bytecode is
+    theirs, and root never executes an interpreter someone else could have replaced)."""
+    srcs = [str(t.root / rel) for rel in dict.fromkeys(rels) if rel.endswith(".py") and (t.root / rel).is_file()]
+    python = _target_python(t) if srcs else None
+    if python is None:
+        return
+    try:
+        owner = os.stat(t.root / "torch")
+        as_owner = os.geteuid() == 0 and owner.st_uid != 0
+        if python == sys.executable and not as_owner:
+            ns: dict = {"__name__": "torch_patch.pyc_writer"}
+            exec(compile(_PYC_WRITER, "<torch-patch pyc writer>", "exec"), ns)
+            failed = ns["write_pycs"](str(t.root), srcs)
+        else:
+            kw = dict(user=owner.st_uid, group=owner.st_gid, extra_groups=[]) if as_owner else {}
+            proc = subprocess.run([python, "-I", "-S", "-c", _PYC_WRITER, str(t.root), *srcs],
+                                  capture_output=True, text=True, timeout=300, **kw)
+            failed = proc.stdout.splitlines()
+            if proc.returncode != 0:
+                failed.append(f"{python} exited with {proc.returncode}: "
+                              f"{(proc.stderr.strip().splitlines() or ['?'])[-1]}")
+    except (OSError, subprocess.SubprocessError, SyntaxError, ValueError) as e:
+        failed = [f"{python}: {e}"]
+    if failed and log is not None:
+        log(f"warning: could not write the bytecode of the patched files ({failed[0]}"
+            f"{f' and {len(failed) - 1} more' if len(failed) > 1 else ''}); Python compiles them on "
+            f"import instead (nothing else is affected)")
+
+
 def _rollback_apply(t: Target, journal: dict) -> None:
     """Undo an interrupted apply: put the files back as they were before it."""
     stage = t.state_dir / journal["stage"]
@@ -1263,16 +1365,20 @@ def _resolve_journal(t: Target, journal: dict, want: str, log: Log) -> None:
     if journal["op"] == "apply" and want == "revert":
         log(f"rolling back interrupted apply ({done} of {total} files had been replaced)")
         _rollback_apply(t, journal)
+        _write_bytecode(t, [rel for rel, rec in journal["files"].items() if rec["before"] is not None], log)
     else:
         log(f"finishing interrupted {journal['op']} ({done} of {total} files had been replaced)")
         _commit(t, journal)
+        _write_bytecode(t, [rel for rel, rec in journal["files"].items() if rec["after"] is not None], log)
 
 
-def _switch(t: Target, journal: dict, stage: Path) -> None:
-    """Write the journal and switch the files over, with Ctrl-C held back."""
+def _switch(t: Target, journal: dict, stage: Path, log: Optional[Log] = None) -> None:
+    """Write the journal and switch the files over, with Ctrl-C held back; then write the
+    bytecode of the new files."""
     with _signals_held():
         _write_json_atomic(t.journal_file, journal)
         _commit(t, journal)
+    _write_bytecode(t, [rel for rel, rec in journal["files"].items() if rec["after"] is not None], log)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1341,7 +1447,7 @@ def _apply_series(t: Target, series: Series, exam: _Exam, version: str, stage: P
         os._exit(FAULT_EXIT_CODE)  # fault injection: killed after staging, before the journal
     if _fault_budget(SIGINT_ENV) == 0:
         signal.raise_signal(signal.SIGINT)  # test hook: Ctrl-C while staging
-    _switch(t, journal, stage)
+    _switch(t, journal, stage, log)
     log(f"applied {_n(n, 'patch')} ({_n(len(rels), 'file')}) to {t.root}")
     return state
 
@@ -1387,7 +1493,7 @@ def _revert_files(t: Target, exam: _Exam, force: bool, stage: Path, log: Log) ->
         _put(src, stage / "new" / v.rel)
         files[v.rel] = {"before": v.current, "after": sha}
     _check_dirs_writable(t, files)
-    _switch(t, {"op": "revert", "layout": 2, "stage": stage.name, "files": files}, stage)
+    _switch(t, {"op": "revert", "layout": 2, "stage": stage.name, "files": files}, stage, log)
     bad = [rel for rel, rec in files.items() if sha256_file(t.root / rel) != rec["after"]]
     if bad:
         raise TorchPatchError(f"after revert, {', '.join(bad)} do not match the originals (sha256)")

@@ -10,6 +10,7 @@ Run: python -m pytest test/torch_patch -q
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -455,6 +456,22 @@ def test_compile_time_bench_refuses_the_same_build_twice(docs_sandbox):
     assert r.returncode == 2, r.stdout + r.stderr
     assert "--impl stock and --impl patched run identical" in r.stderr and "--allow-same" in r.stderr
     assert "round 1/" not in r.stderr and r.stdout == ""
+
+
+def test_import_torch_uses_the_bytecode_apply_wrote(docs_sandbox):
+    """After `.venv/bin/torch-patch apply` (the fixture), a process that may not write bytecode
+    imports the patched modules from the .pyc files apply wrote (`-v`: "<pyc> matches <py>"),
+    instead of compiling them on every import."""
+    site = next((docs_sandbox / ".venv").glob("lib/python3*/site-packages"))
+    env = dict(_sandbox_env(), PYTHONDONTWRITEBYTECODE="1")
+    r = subprocess.run([".venv/bin/python", "-v", "-c", "import torch.utils._pytree"], cwd=docs_sandbox,
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for rel in ("torch/utils/_pytree.py", "torch/utils/_pytree_hf_cache.py"):
+        if rel in REAL_SERIES.files:
+            src = site / rel
+            pyc = Path(importlib.util.cache_from_source(str(src)))
+            assert not pyc.is_symlink() and f"{pyc} matches {src}" in r.stderr, rel
 
 
 def test_documented_status_and_revert_commands(docs_sandbox):
