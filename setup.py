@@ -12,7 +12,18 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch==2.13.0"],
     extras_require={
-        "test": ["pytest", "expecttest", "hypothesis", "transformers", "optree", "numpy"],
+        "test": [
+            "pytest",
+            "expecttest",
+            "hypothesis",
+            "transformers",
+            "optree",
+            "numpy",
+            # test/onnx and the demo: torch.onnx.export(dynamo=True), onnxruntime
+            "onnx",
+            "onnxscript",
+            "onnxruntime",
+        ],
         "bench": ["matplotlib"],
     },
     entry_points={"console_scripts": ["torch-patch = torch_patch.cli:main"]},
