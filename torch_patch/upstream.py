@@ -49,6 +49,14 @@ existing ones, graph-breaks (and raises like eager) on an object of another
 class, and compiles `tree_flatten` with fullgraph=True to the same leaves
 and TreeSpec as eager.
 
+test/onnx/test_onnx_hf_models.py: the same kind of tiny transformers models
+(BERT, GPT-2 with and without the cache, BART, ViT, T5) exported with
+torch.onnx.export(dynamo=True) run in onnxruntime like eager, a GPT-2 decode
+loop feeds the cache back through onnxruntime, and the graph inputs and
+outputs carry their key-path names. They need transformers, onnx, onnxscript
+and onnxruntime. test/onnx/test_onnx_pytree_io_names.py is the test of the
+ONNX naming commit (test/onnx/exporter/test_pytree_io_names.py).
+
 Test Plan:
 
 {test_plan}
