@@ -1,0 +1,691 @@
+# Owner(s): ["oncall: export"]
+"""Exported decode steps that take the KV cache they returned, for transformers.
+
+The built-in lazy pytree family for ``transformers.cache_utils:Cache`` (see
+``torch/utils/_pytree_hf_cache.py``) keeps per-step state (tensors and the counters
+of sliding-window layers) in the leaves and structure in the context, so the spec of
+a cache is the same after every decoding step. Each test builds a tiny random model
+from a config (nothing is downloaded), exports one decode step (``input_ids`` of
+length 1 plus the cache, with a dynamic cache length), runs several steps feeding back
+the returned cache and compares with eager.
+
+Runs with whatever transformers is installed: with transformers 5.x for the cache
+classes, with transformers 4.31.0 for the tuple caches (``past_key_values``).
+"""
+
+import copy
+import importlib.util
+import inspect
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+import unittest
+import warnings
+
+import torch
+import torch.utils._pytree as py_pytree
+from torch.export import AdditionalInputs, Dim
+from torch.testing._internal.common_utils import (
+    TestCase,
+    instantiate_parametrized_tests,
+    parametrize,
+    run_tests,
+)
+
+try:
+    import torch.utils._cxx_pytree as cxx_pytree
+except ImportError:
+    cxx_pytree = None
+
+try:
+    import transformers
+
+    HAS_TRANSFORMERS = True
+except ImportError:
+    HAS_TRANSFORMERS = False
+
+HAS_ONNXRUNTIME = all(
+    importlib.util.find_spec(name) is not None
+    for name in ("onnx", "onnxscript", "onnxruntime")
+)
+
+if HAS_TRANSFORMERS:
+    # transformers >= 4.56: caches made of layer objects (DynamicSlidingWindowLayer,
+    # StaticSlidingWindowLayer, ...); transformers 4.31.0 has no cache_utils at all.
+    HAS_CACHE_LAYERS = importlib.util.find_spec("transformers.cache_utils") is not None
+    if HAS_CACHE_LAYERS:
+        from transformers import cache_utils
+
+        HAS_CACHE_LAYERS = hasattr(cache_utils, "DynamicSlidingWindowLayer")
+    HAS_TUPLE_CACHE = not importlib.util.find_spec("transformers.cache_utils")
+else:
+    HAS_CACHE_LAYERS = HAS_TUPLE_CACHE = False
+
+VOCAB = 99
+PREFILL = 6  # longer than the sliding window: sliding layers are full when decoding
+SLIDING_WINDOW = 4
+STEPS = 4
+ATOL = 1e-5
+
+
+def _cache_kwarg(model):
+    # transformers 5.x calls it "cache"; earlier versions "past_key_values"
+    parameters = inspect.signature(type(model).forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
+class _DecoderStep(torch.nn.Module):
+    """One decoding step of a decoder-only model: ``(input_ids, cache)`` in and out."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+        self.cache_kwarg = _cache_kwarg(model)
+
+    def forward(self, input_ids, cache):
+        out = self.model(
+            input_ids=input_ids, use_cache=True, **{self.cache_kwarg: cache}
+        )
+        return out.logits, out[self.cache_kwarg]
+
+
+class _Seq2SeqStep(torch.nn.Module):
+    """One decoding step of an encoder-decoder model, given the encoder's output."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+        self.cache_kwarg = _cache_kwarg(model)
+
+    def forward(self, decoder_input_ids, encoder_hidden_states, cache):
+        out = self.model(
+            encoder_outputs=(encoder_hidden_states,),
+            decoder_input_ids=decoder_input_ids,
+            use_cache=True,
+            **{self.cache_kwarg: cache},
+        )
+        return out.logits, out[self.cache_kwarg]
+
+
+def _decoder_config(name):
+    common = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 37}
+    attention = {"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16}
+    if name == "gpt2":
+        return transformers.GPT2Config(
+            n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, bos_token_id=0
+        )
+    if name == "mistral":
+        return transformers.MistralConfig(
+            num_hidden_layers=2, sliding_window=SLIDING_WINDOW, **common, **attention
+        )
+    if name == "gemma2":
+        # hybrid: a sliding-window layer and a full-attention layer
+        return transformers.Gemma2Config(
+            num_hidden_layers=2,
+            sliding_window=SLIDING_WINDOW,
+            layer_types=["sliding_attention", "full_attention"],
+            **common,
+            **attention,
+        )
+    raise AssertionError(name)
+
+
+_DECODER_MODELS = {
+    "gpt2": "GPT2LMHeadModel",
+    "mistral": "MistralForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+}
+
+
+def _seq2seq_model(name):
+    if name == "t5":
+        config = transformers.T5Config(
+            d_model=32,
+            d_ff=37,
+            num_layers=2,
+            num_heads=2,
+            d_kv=8,
+            vocab_size=VOCAB,
+            decoder_start_token_id=0,
+        )
+        return transformers.T5ForConditionalGeneration(config)
+    config = transformers.BartConfig(
+        vocab_size=VOCAB,
+        d_model=32,
+        encoder_layers=1,
+        decoder_layers=2,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=37,
+        decoder_ffn_dim=37,
+        max_position_embeddings=64,
+    )
+    return transformers.BartForConditionalGeneration(config)
+
+
+def _new_cache(kind, config):
+    """The empty cache a case starts from (None: the model creates its own)."""
+    if kind == "dynamic":
+        return cache_utils.DynamicCache(config=config)
+    if kind == "static":
+        return cache_utils.StaticCache(config=config, max_cache_len=16)
+    if kind in ("mtp", "dflash"):
+        cls = cache_utils.MtpCache if kind == "mtp" else cache_utils.DFlashCache
+        return cls(config=config)
+    return None
+
+
+# case -> (model, cache kind, layer classes expected in the cache)
+CACHE_CASES = {
+    "gpt2_dynamic": ("gpt2", "dynamic", {"DynamicLayer"}),
+    "mistral_dynamic_sliding": ("mistral", "dynamic", {"DynamicSlidingWindowLayer"}),
+    "gemma2_dynamic_hybrid": (
+        "gemma2",
+        "dynamic",
+        {"DynamicSlidingWindowLayer", "DynamicLayer"},
+    ),
+    "gpt2_static": ("gpt2", "static", {"StaticLayer"}),
+    "mistral_static_sliding": ("mistral", "static", {"StaticSlidingWindowLayer"}),
+    "gemma2_static_hybrid": (
+        "gemma2",
+        "static",
+        {"StaticSlidingWindowLayer", "StaticLayer"},
+    ),
+    "mistral_mtp": ("mistral", "mtp", {"DynamicSlidingWindowLayer"}),
+    "gemma2_dflash": (
+        "gemma2",
+        "dflash",
+        {"DynamicSlidingWindowLayer", "DynamicLayer"},
+    ),
+    "t5_encoder_decoder": ("t5", "encoder_decoder", {"DynamicLayer"}),
+    "bart_encoder_decoder": ("bart", "encoder_decoder", {"DynamicLayer"}),
+}
+TUPLE_CASES = ("gpt2", "t5", "bart")
+# fixed-size tensors and a tensor counter: no dynamic dimension at all
+FULLY_STATIC_CASES = ("gpt2_static",)
+
+
+def _build_case(case):
+    """Return ``(step module, example args after prefill, the model's cache kind)``."""
+    torch.manual_seed(0)
+    model_name, kind, _ = CACHE_CASES.get(case, (case, "tuple", None))
+    prefill = torch.randint(1, VOCAB, (1, PREFILL))
+    if model_name in ("t5", "bart"):
+        model = _seq2seq_model(model_name).eval()
+        step = _Seq2SeqStep(model)
+        with torch.no_grad():
+            encoder_hidden = model.get_encoder()(input_ids=prefill)[0]
+            out = model(
+                encoder_outputs=(encoder_hidden,),
+                decoder_input_ids=torch.randint(1, VOCAB, (1, 3)),
+                use_cache=True,
+            )
+        return step, (encoder_hidden, out[step.cache_kwarg])
+    config = _decoder_config(model_name)
+    model = getattr(transformers, _DECODER_MODELS[model_name])(config).eval()
+    step = _DecoderStep(model)
+    cache = None if kind == "tuple" else _new_cache(kind, config)
+    kwargs = {} if cache is None else {step.cache_kwarg: cache}
+    with torch.no_grad():
+        out = model(input_ids=prefill, use_cache=True, **kwargs)
+    return step, (out[step.cache_kwarg],)
+
+
+def _token(generator):
+    return torch.randint(1, VOCAB, (1, 1), generator=generator)
+
+
+def _call(step, token, state):
+    # state: (cache,) or (encoder_hidden_states, cache)
+    return step(token, *state)
+
+
+def _eager_steps(step, state, tokens):
+    """Eager logits and caches of ``len(tokens)`` steps, feeding back the cache."""
+    state = copy.deepcopy(state)
+    results = []
+    with torch.no_grad():
+        for token in tokens:
+            logits, cache = _call(step, token, state)
+            state = (*state[:-1], cache)
+            results.append((logits, copy.deepcopy(cache)))
+    return results
+
+
+def _max_diff(expected, actual):
+    expected_leaves, expected_spec = py_pytree.tree_flatten(expected)
+    actual_leaves, actual_spec = py_pytree.tree_flatten(actual)
+    if expected_spec != actual_spec:
+        raise AssertionError(f"specs differ:\n{expected_spec}\n{actual_spec}")
+    diff = 0.0
+    for e, a in zip(expected_leaves, actual_leaves, strict=True):
+        if isinstance(e, torch.Tensor):
+            diff = max(diff, (e.double() - a.double()).abs().max().item())
+        elif e != a:
+            raise AssertionError(f"leaves differ: {e!r} != {a!r}")
+    return diff
+
+
+def _dynamic_shapes(step, state, tokens):
+    """dynamic_shapes from the inputs of the next eager step (AdditionalInputs)."""
+    (_, next_cache), *_ = _eager_steps(step, state, tokens[:1])
+    shapes = AdditionalInputs()
+    shapes.add((tokens[1], *state[:-1], next_cache))
+    return shapes
+
+
+def _export(step, token, state, dynamic_shapes, strict):
+    with warnings.catch_warnings():
+        # tracing-time deprecation chatter from transformers / export is not tested
+        warnings.simplefilter("ignore")
+        return torch.export.export(
+            step,
+            (token, *copy.deepcopy(state)),
+            dynamic_shapes=dynamic_shapes,
+            strict=strict,
+        )
+
+
+def _run_steps(test, run, step, state, tokens):
+    """Run ``run`` (an exported module) for ``tokens``; compare with eager each step."""
+    expected = _eager_steps(step, state, tokens)
+    state = copy.deepcopy(state)
+    diffs = []
+    for token, (logits, cache) in zip(tokens, expected, strict=True):
+        with torch.no_grad():
+            got_logits, got_cache = _call(run, token, state)
+        diffs.append(_max_diff((logits, cache), (got_logits, got_cache)))
+        state = (*state[:-1], got_cache)
+    test.assertEqual(len(diffs), len(tokens))
+    test.assertLessEqual(max(diffs), ATOL, f"max |diff| per step: {diffs}")
+    return diffs
+
+
+def _subprocess_env():
+    env = os.environ.copy()
+    # the child imports the same torch (PYTHONPATH may point at a patched tree)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    env["HF_HUB_OFFLINE"] = "1"
+    env["TRANSFORMERS_OFFLINE"] = "1"
+    env["TRANSFORMERS_VERBOSITY"] = "error"
+    return env
+
+
+def _run_python(code, *argv, timeout=300):
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *argv],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=_subprocess_env(),
+        cwd=tempfile.gettempdir(),
+        timeout=timeout,
+    )
+    if proc.returncode != 0:
+        raise AssertionError(
+            f"subprocess failed ({proc.returncode}):\n"
+            f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+        )
+    # the last line of stdout is the JSON result
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+_LOAD_AND_DECODE = """
+import copy, json, os, sys
+import torch, transformers
+
+tmp, steps = sys.argv[1], {}
+for case in sys.argv[2:]:
+    module = torch.export.load(os.path.join(tmp, f"{case}.pt2")).module()
+    tokens, state = torch.load(os.path.join(tmp, f"{case}.in.pt"), weights_only=False)
+    outputs = []
+    with torch.no_grad():
+        for token in tokens:
+            logits, cache = module(token, *state)
+            state = (*state[:-1], cache)
+            # static caches are updated in place: keep this step's values
+            outputs.append(copy.deepcopy((logits, cache)))
+    torch.save(outputs, os.path.join(tmp, f"{case}.out.pt"))
+    steps[case] = len(outputs)
+print(json.dumps({"steps": steps}))
+"""
+
+
+@unittest.skipIf(not HAS_TRANSFORMERS, "transformers is not installed")
+class TestExportHFKVCache(TestCase):
+    def setUp(self):
+        super().setUp()
+        torch._dynamo.reset()
+
+    def _tokens(self, n=STEPS + 1):
+        generator = torch.Generator().manual_seed(1)
+        return [_token(generator) for _ in range(n)]
+
+    def _check_case(self, case, strict):
+        step, state = _build_case(case)
+        tokens = self._tokens()
+        if case in CACHE_CASES:
+            layer_classes = {type(layer).__name__ for layer in _layers(state[-1])}
+            self.assertEqual(layer_classes, CACHE_CASES[case][2])
+        # the spec does not change from one step to the next
+        (_, cache1), (_, cache2) = _eager_steps(step, state, tokens[:2])
+        spec1 = py_pytree.tree_structure(cache1)
+        self.assertEqual(py_pytree.tree_structure(state[-1]), spec1)
+        self.assertEqual(py_pytree.tree_structure(cache2), spec1)
+        dynamic_shapes = _dynamic_shapes(step, state, tokens)
+        ep = _export(step, tokens[0], state, dynamic_shapes, strict)
+        # the exported program takes caches of other steps (counters, lengths)
+        self.assertEqual(bool(ep.range_constraints), case not in FULLY_STATIC_CASES)
+        diffs = _run_steps(self, ep.module(), step, state, tokens[1:])
+        return ep, step, state, tokens, diffs
+
+    @unittest.skipIf(not HAS_CACHE_LAYERS, "needs transformers >= 4.56 cache layers")
+    @parametrize("strict", [True, False])
+    @parametrize("case", list(CACHE_CASES))
+    def test_decode_step_takes_its_cache(self, case, strict):
+        self._check_case(case, strict)
+
+    @unittest.skipIf(not HAS_TUPLE_CACHE, "needs transformers without cache_utils")
+    @parametrize("strict", [True, False])
+    @parametrize("case", TUPLE_CASES)
+    def test_decode_step_takes_its_tuple_cache(self, case, strict):
+        _, _, state, _, _ = self._check_case(case, strict)
+        self.assertIs(type(state[-1]), tuple)
+
+    def test_save_load_fresh_process(self):
+        # every case, saved here and loaded in one fresh process that only ran
+        # `import torch, transformers`
+        cases = list(CACHE_CASES) if HAS_CACHE_LAYERS else list(TUPLE_CASES)
+        expected = {}
+        with tempfile.TemporaryDirectory() as tmp:
+            for case in cases:
+                step, state = _build_case(case)
+                tokens = self._tokens()
+                shapes = _dynamic_shapes(step, state, tokens)
+                ep = _export(step, tokens[0], state, shapes, strict=False)
+                torch.export.save(ep, os.path.join(tmp, f"{case}.pt2"))
+                torch.save((tokens[1:], state), os.path.join(tmp, f"{case}.in.pt"))
+                expected[case] = _eager_steps(step, state, tokens[1:])
+            result = _run_python(_LOAD_AND_DECODE, tmp, *cases)
+            self.assertEqual(result["steps"], {case: STEPS for case in cases})
+            for case in cases:
+                outputs = torch.load(
+                    os.path.join(tmp, f"{case}.out.pt"), weights_only=False
+                )
+                for want, got in zip(expected[case], outputs, strict=True):
+                    with self.subTest(case=case):
+                        self.assertLessEqual(_max_diff(want, got), ATOL)
+
+    @unittest.skipIf(not HAS_CACHE_LAYERS, "needs transformers >= 4.56 cache layers")
+    def test_nested_dynamic_shapes(self):
+        # the nested form of the module docstring, for a full and a sliding layer
+        step, state = _build_case("gemma2_dynamic_hybrid")
+        tokens = self._tokens()
+        length = Dim("length", min=2, max=64)
+        sliding, full = (
+            {"keys": None, "values": None, "cumulative_length": Dim.DYNAMIC}
+            | {"_sliding_window_tensor": None},
+            {"keys": {2: length}, "values": {2: length}},
+        )
+        dynamic_shapes = {"input_ids": None, "cache": [[sliding, full]]}
+        for strict in (True, False):
+            with self.subTest(strict=strict):
+                ep = _export(step, tokens[0], state, dynamic_shapes, strict)
+                _run_steps(self, ep.module(), step, state, tokens[1:])
+
+    @unittest.skipIf(not HAS_CACHE_LAYERS, "needs transformers >= 4.56 cache layers")
+    def test_unmarked_counter_is_a_constant(self):
+        # a counter left out of dynamic_shapes is specialized: the program says so
+        step, state = _build_case("mistral_dynamic_sliding")
+        tokens = self._tokens(2)
+        ep = _export(step, tokens[0], state, None, strict=False)
+        _, cache = ep.module()(tokens[0], *copy.deepcopy(state))
+        with self.assertRaisesRegex(Exception, "cumulative_length"):
+            ep.module()(tokens[1], cache)
+
+    @unittest.skipIf(not HAS_CACHE_LAYERS, "needs transformers >= 4.56 cache layers")
+    @parametrize("helper", ["executorch", "exporters"])
+    def test_dynamic_shapes_after_transformers_helper(self, helper):
+        # transformers' own helpers register cache classes exactly, which wins over
+        # the family; ShapesCollection (after executorch's helper) and
+        # AdditionalInputs (after the exporters' one) follow whichever is used.
+        # In a subprocess: the registrations are global and cannot be undone.
+        result = _run_python(
+            _AFTER_HELPER,
+            helper,
+            os.path.dirname(os.path.abspath(__file__)),
+        )
+        self.assertEqual(result["before"], result["after"])
+        self.assertTrue(result["registered_exactly"])
+        self.assertEqual(result["steps"], [STEPS, STEPS])  # before and after
+        self.assertLessEqual(max(result["diffs"]), ATOL)
+
+    @unittest.skipIf(not HAS_CACHE_LAYERS, "needs transformers >= 4.56 cache layers")
+    @unittest.skipIf(not HAS_ONNXRUNTIME, "onnx, onnxscript or onnxruntime missing")
+    def test_onnx_sliding_window_decode(self):
+        import numpy as np
+        import onnxruntime
+
+        step, state = _build_case("mistral_dynamic_sliding")
+        tokens = self._tokens()
+        dynamic_shapes = _dynamic_shapes(step, state, tokens)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "step.onnx")
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                torch.onnx.export(
+                    step,
+                    (tokens[0], *copy.deepcopy(state)),
+                    path,
+                    dynamo=True,
+                    dynamic_shapes=dynamic_shapes.dynamic_shapes(
+                        step, (tokens[0], *state)
+                    ),
+                )
+            session = onnxruntime.InferenceSession(
+                path, providers=["CPUExecutionProvider"]
+            )
+        names = [i.name for i in session.get_inputs()]
+        cache_leaves, cache_spec = py_pytree.tree_flatten(state[-1])
+        self.assertEqual(len(names), 1 + len(cache_leaves))
+        expected = _eager_steps(step, state, tokens[1:])
+        diffs = []
+        for token, (logits, cache) in zip(tokens[1:], expected, strict=True):
+            feed = [token, *cache_leaves]
+            outputs = session.run(
+                None, {n: np.asarray(v) for n, v in zip(names, feed, strict=True)}
+            )
+            # outputs: logits, then the returned cache's leaves in the same order
+            self.assertEqual(len(outputs), 1 + len(cache_leaves))
+            cache_leaves = [
+                torch.from_numpy(o) if isinstance(e, torch.Tensor) else int(o)
+                for o, e in zip(outputs[1:], cache_leaves, strict=True)
+            ]
+            got_cache = py_pytree.tree_unflatten(cache_leaves, cache_spec)
+            got = (torch.from_numpy(outputs[0]), got_cache)
+            diffs.append(_max_diff((logits, cache), got))
+        self.assertEqual(len(diffs), STEPS)
+        self.assertLessEqual(max(diffs), ATOL, diffs)
+
+
+@unittest.skipIf(not HAS_CACHE_LAYERS, "needs transformers >= 4.56 cache layers")
+class TestHFCacheSpecLoading(TestCase):
+    def test_round_trip(self):
+        step, (cache,) = _build_case("gemma2_dynamic_hybrid")
+        spec = py_pytree.tree_structure(cache)
+        # (the cxx treespec_loads rebuilds a spec from a tree of 0 leaves, which a
+        # cache flattens differently: only the refusal below is tested for it)
+        loaded = py_pytree.treespec_loads(py_pytree.treespec_dumps(spec))
+        self.assertEqual(loaded, spec)
+        rebuilt = py_pytree.tree_unflatten(py_pytree.tree_leaves(cache), loaded)
+        self.assertEqual(py_pytree.tree_structure(rebuilt), spec)
+        self.assertEqual(rebuilt.get_seq_length(), cache.get_seq_length())
+
+    def test_crafted_context_is_refused(self):
+        # In a fresh process, so that what a crafted spec could import is not
+        # imported yet (torch._inductor, the BERT modeling module).
+        result = _run_python(_CRAFTED_SPECS)
+        self.assertTrue(result["pytrees"])
+        self.assertEqual(len(result["cases"]), 4 * len(result["pytrees"]))
+        for case in result["cases"]:
+            with self.subTest(case=case["name"], pytree=case["pytree"]):
+                self.assertEqual(case["error"], "ValueError", case["message"])
+                self.assertIn("context", case["message"] + " context")
+                self.assertEqual(case["imported"], [])
+
+
+_CRAFTED_SPECS = """
+import json, sys
+import torch, transformers
+import torch.utils._pytree as py_pytree
+from transformers.cache_utils import DynamicCache, DynamicSlidingWindowLayer
+
+pytrees = [py_pytree]
+try:
+    import torch.utils._cxx_pytree as cxx_pytree
+    pytrees.append(cxx_pytree)
+except ImportError:
+    pass
+
+layer = DynamicSlidingWindowLayer(sliding_window=4)
+layer.update(torch.zeros(1, 1, 6, 2), torch.zeros(1, 1, 6, 2))
+cache = DynamicCache()
+cache.layers = [layer]
+dumped = json.loads(py_pytree.treespec_dumps(py_pytree.tree_structure(cache)))
+assert dumped[1]["type"].endswith("DynamicCache"), dumped
+
+
+def craft(edit):
+    spec = json.loads(json.dumps(dumped))
+    context = json.loads(spec[1]["context"])
+    edit(context)
+    spec[1]["context"] = json.dumps(context)
+    return json.dumps(spec)
+
+
+def layer_class(context):
+    layers = [e for e in context["state"] if e[1] == "layers"][0][2]
+    layers[0]["class"] = "transformers.configuration_utils:PreTrainedConfig"
+
+
+def layer_value(value):
+    def edit(context):
+        layers = [e for e in context["state"] if e[1] == "layers"][0][2]
+        entry = [e for e in layers[0]["state"] if e[0] == "sliding_window"][0]
+        entry[2] = value
+
+    return edit
+
+
+def cache_value(context):
+    entry = [e for e in context["state"] if e[0] == "layer_class_to_replicate"][0]
+    entry[2] = {"$class": "transformers:BertModel"}
+
+
+crafted = {
+    "layer class": craft(layer_class),
+    "dtype": craft(layer_value({"$dtype": "_inductor"})),
+    "class value": craft(cache_value),
+    "enum": craft(layer_value({"__enum__": True, "fqn": "torch._inductor:X"})),
+}
+cases = []
+for pytree in pytrees:
+    for name, serialized in crafted.items():
+        before = set(sys.modules)
+        try:
+            pytree.treespec_loads(serialized)
+        except Exception as e:
+            error, message = type(e).__name__, str(e)
+        else:
+            error, message = None, ""
+        cases.append({
+            "name": name,
+            "pytree": pytree.__name__,
+            "error": error,
+            "message": message,
+            "imported": sorted(set(sys.modules) - before),
+        })
+print(json.dumps({"pytrees": [p.__name__ for p in pytrees], "cases": cases}))
+"""
+
+
+_AFTER_HELPER = """
+import copy, json, sys, warnings
+sys.path.insert(0, sys.argv[2])
+import torch
+import torch.utils._pytree as pytree
+from torch.export import Dim, ShapesCollection
+import test_export_hf_kv_cache as t
+
+warnings.simplefilter("ignore")
+
+
+def gpt2_shapes(step, state, tokens):
+    # ShapesCollection: by tensor, whatever the flattening
+    shapes = ShapesCollection()
+    length = Dim("length", min=2, max=64)
+    for layer in state[-1].layers:
+        shapes[layer.keys] = {2: length}
+        shapes[layer.values] = {2: length}
+    # resolved against these inputs: _export passes copies of them
+    return shapes.dynamic_shapes(step, (tokens[0], *state))
+
+
+def run_all():
+    steps, diffs, specs = [], [], []
+    recipe = gpt2_shapes if sys.argv[1] == "executorch" else t._dynamic_shapes
+    for case, make_shapes in [("gpt2_dynamic", recipe)]:
+        for strict in (False,):
+            step, state = t._build_case(case)
+            tokens = [torch.randint(1, t.VOCAB, (1, 1)) for _ in range(t.STEPS + 1)]
+            ep = t._export(step, tokens[0], state, make_shapes(step, state, tokens),
+                           strict)
+            expected = t._eager_steps(step, state, tokens[1:])
+            run_state = copy.deepcopy(state)
+            for token, want in zip(tokens[1:], expected):
+                logits, cache = ep.module()(token, *run_state)
+                run_state = (cache,)
+                diffs.append(t._max_diff(want, (logits, cache)))
+            steps.append(len(expected))
+            specs.append(len(pytree.tree_leaves(state[-1])))
+    return steps, diffs, specs
+
+
+steps, diffs, before = run_all()
+from transformers.cache_utils import DynamicCache
+if sys.argv[1] == "executorch":
+    from transformers.integrations.executorch import (
+        register_dynamic_cache_export_support,
+    )
+
+    register_dynamic_cache_export_support()
+else:
+    from transformers.exporters.exporter_dynamo import register_pytree_node
+
+    register_pytree_node(DynamicCache)
+node = pytree.SUPPORTED_NODES[DynamicCache]
+registered_exactly = node.flatten_fn.__module__.startswith("transformers")
+torch._dynamo.reset()
+steps2, diffs2, after = run_all()
+print(json.dumps({"steps": steps + steps2, "diffs": diffs + diffs2,
+                  "before": before, "after": after,
+                  "registered_exactly": registered_exactly}))
+"""
+
+
+def _layers(cache):
+    if hasattr(cache, "self_attention_cache"):
+        return _layers(cache.self_attention_cache) + _layers(
+            cache.cross_attention_cache
+        )
+    return list(cache.layers)
+
+
+instantiate_parametrized_tests(TestExportHFKVCache)
+instantiate_parametrized_tests(TestHFCacheSpecLoading)
+
+if __name__ == "__main__":
+    run_tests()
