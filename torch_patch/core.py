@@ -1247,7 +1247,7 @@ def write_pycs(root, sources):
                 cache = os.path.dirname(pyc)
                 if os.path.islink(cache) or \
                         os.path.commonpath([real_root, os.path.realpath(cache)]) != real_root:
-                    raise OSError(f"{cache} is a symbolic link")
+                    raise OSError(f"{cache} is outside {root} (a symbolic link, or PYTHONPYCACHEPREFIX)")
                 if os.path.islink(pyc):
                     os.unlink(pyc)
                 py_compile.compile(src, pyc, doraise=True, optimize=lvl,
@@ -1299,6 +1299,7 @@ def _write_bytecode(t: Target, rels: Iterable[str], log: Optional[Log]) -> None:
     python = _target_python(t) if srcs else None
     if python is None:
         return
+    as_owner = False
     try:
         owner = os.stat(t.root / "torch")
         as_owner = os.geteuid() == 0 and owner.st_uid != 0
@@ -1315,7 +1316,7 @@ def _write_bytecode(t: Target, rels: Iterable[str], log: Optional[Log]) -> None:
                 failed.append(f"{python} exited with {proc.returncode}: "
                               f"{(proc.stderr.strip().splitlines() or ['?'])[-1]}")
     except (OSError, subprocess.SubprocessError, SyntaxError, ValueError) as e:
-        failed = [f"{python}: {e}"]
+        failed = [f"{python}{f' run as {_user(owner.st_uid)}' if as_owner else ''}: {e}"]
     if failed and log is not None:
         log(f"warning: could not write the bytecode of the patched files ({failed[0]}"
             f"{f' and {len(failed) - 1} more' if len(failed) > 1 else ''}); Python compiles them on "
