@@ -17,6 +17,7 @@ outputs after their pytree key paths``).
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import inspect
 import unittest
@@ -254,46 +255,70 @@ class TestONNXHFModels(TestCase):
         self.assertEqual(len(outputs), len(_tensor_leaves(eager)))
         self.assertTrue(all(n.startswith(f"{CACHE}.") for n in outputs[1:-1]))
 
+    def export_decode(self):  # type: ignore[no-untyped-def]
+        """GPT-2 as a prefill model and a decode-step model (dynamic past length)."""
+        if "decode" not in self._programs:
+            model, _ = _build(_gpt2)
+            prompt = torch.randint(0, VOCAB, (2, 5))
+            with torch.no_grad():
+                prefill = model(input_ids=prompt, use_cache=True)
+                # The decode step: one new token per sequence and the past.
+                step_inputs = {
+                    "input_ids": prompt[:, -1:],
+                    CACHE: prefill[CACHE],
+                    "use_cache": True,
+                }
+                # The past length is dynamic: dimension 2 of every cache tensor.
+                shapes = torch.export.ShapesCollection()
+                past = torch.export.Dim("past", min=2, max=64)
+                for t in _tensor_leaves(prefill[CACHE]):
+                    shapes[t] = {2: past}
+                dynamic_shapes = shapes.dynamic_shapes(model, (), step_inputs)
+                prefill_program = torch.onnx.export(
+                    model,
+                    (),
+                    kwargs={"input_ids": prompt, "use_cache": True},
+                    dynamo=True,
+                    verbose=False,
+                )
+                step_program = torch.onnx.export(
+                    model,
+                    (),
+                    kwargs=step_inputs,
+                    dynamic_shapes=dynamic_shapes,
+                    dynamo=True,
+                    verbose=False,
+                )
+            self._programs["decode"] = (
+                model,
+                prompt,
+                prefill,
+                prefill_program,
+                step_program,
+            )
+        return self._programs["decode"]
+
+    def test_gpt2_decode_step_names(self) -> None:
+        *_, step_program = self.export_decode()
+        graph = step_program.model.graph
+        past = _expected_names("gpt2_cache")[1][1:]
+        self.assertEqual([v.name for v in graph.inputs], ["input_ids", *past])
+        # The returned cache has the key paths of the input cache: "_1" suffixes.
+        self.assertEqual(
+            [v.name for v in graph.outputs], ["logits", *(f"{n}_1" for n in past)]
+        )
+
     def test_gpt2_decode_loop(self) -> None:
         """Greedy decoding in onnxruntime, the cache fed back at every step."""
-        model, _ = _build(_gpt2)
-        prompt = torch.randint(0, VOCAB, (2, 5))
+        model, prompt, prefill, prefill_program, step_program = self.export_decode()
         steps = 4
-        with torch.no_grad():
-            prefill = model(input_ids=prompt, use_cache=True)
-            # The decode step: one new token per sequence and the past.
-            step_inputs = {
-                "input_ids": prompt[:, -1:],
-                CACHE: prefill[CACHE],
-                "use_cache": True,
-            }
-            # The past length is dynamic: dimension 2 of every cache tensor.
-            shapes = torch.export.ShapesCollection()
-            past = torch.export.Dim("past", min=2, max=64)
-            for t in _tensor_leaves(prefill[CACHE]):
-                shapes[t] = {2: past}
-            dynamic_shapes = shapes.dynamic_shapes(model, (), step_inputs)
-            prefill_program = torch.onnx.export(
-                model,
-                (),
-                kwargs={"input_ids": prompt, "use_cache": True},
-                dynamo=True,
-                verbose=False,
-            )
-            step_program = torch.onnx.export(
-                model,
-                (),
-                kwargs=step_inputs,
-                dynamic_shapes=dynamic_shapes,
-                dynamo=True,
-                verbose=False,
-            )
         prefill_session = _session(prefill_program)
         step_session = _session(step_program)
 
         # onnxruntime: logits and then the cache tensors, in flattening order
         logits, *cache = _run(prefill_session, [prompt])
-        eager_past = prefill[CACHE]
+        # eager decoding updates its cache in place: keep the shared one intact
+        eager_past = copy.deepcopy(prefill[CACHE])
         torch.testing.assert_close(logits, prefill.logits, atol=ATOL, rtol=RTOL)
         tokens = logits[:, -1].argmax(-1, keepdim=True)
         for step in range(steps):
