@@ -36,13 +36,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 
-def _child(repeats: int) -> None:
+def _child(repeats: int, callgrind_out: str | None = None) -> None:
     import torch
     import torch.utils._pytree as pytree
 
@@ -57,14 +59,25 @@ def _child(repeats: int) -> None:
         "tuple": tuple(torch.ones(2) for _ in range(2)),
     }
     assert len(pytree.tree_leaves(tree)) == 100
+    cg = None
+    if callgrind_out is not None:
+        from _callgrind import Callgrind  # this directory (sys.path[0])
+
+        cg = Callgrind(callgrind_out)
     times = []
-    for _ in range(repeats + 1):  # the first compile also warms up imports
+    for i in range(repeats + 1):  # the first compile also warms up imports
         torch._dynamo.reset()
         compiled = torch.compile(fn, backend="eager", fullgraph=True)
-        start = time.perf_counter()
-        compiled(tree)
-        times.append(time.perf_counter() - start)
-    print(json.dumps({"times": times[1:], "torch": torch.__file__}))
+        if cg is None:
+            start = time.perf_counter()
+            compiled(tree)
+            times.append(time.perf_counter() - start)
+        elif i == 0:
+            compiled(tree)  # uninstrumented
+            cg.start()
+        else:
+            times.append(cg.count(lambda: compiled(tree), f"compile {i}"))
+    print(json.dumps({"times": times[1:] if cg is None else times, "torch": torch.__file__}))
 
 
 def _fingerprint() -> None:
@@ -101,14 +114,26 @@ def _env(pythonpath: str | None) -> dict:
     return env
 
 
-def _run(python: str, pythonpath: str | None, repeats: int, *, fingerprint: bool = False) -> dict:
+def _run(
+    python: str,
+    pythonpath: str | None,
+    repeats: int,
+    *,
+    fingerprint: bool = False,
+    valgrind: str | None = None,
+) -> dict:
     args = ["--fingerprint"] if fingerprint else ["--child", "--repeats", str(repeats)]
-    proc = subprocess.run(
-        [python, os.path.abspath(__file__), *args],
-        env=_env(pythonpath),
-        capture_output=True,
-        text=True,
-    )
+    cmd = [python, os.path.abspath(__file__), *args]
+    env = _env(pythonpath)
+    with tempfile.TemporaryDirectory(prefix="compile_time_bench_") as tmp:
+        if valgrind is not None and not fingerprint:
+            from _callgrind import CALLGRIND_OPTIONS  # this directory (sys.path[0])
+
+            out = os.path.join(tmp, "callgrind.out")
+            cmd = [valgrind, *CALLGRIND_OPTIONS, f"--callgrind-out-file={out}", *cmd]
+            cmd += ["--callgrind-out", out]
+            env.setdefault("PYTHONHASHSEED", "0")  # repeatable dict/set layouts
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(
             f"error: {python} {' '.join(args)} failed (exit {proc.returncode}):\n"
@@ -133,17 +158,29 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="time implementations even if they are the same build (a noise measurement)",
     )
+    parser.add_argument(
+        "--instructions",
+        action="store_true",
+        help="count the instructions of each compile under valgrind's callgrind instead of "
+        "timing it (stable on a loaded machine; about 2 min per child process)",
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--callgrind-out", help=argparse.SUPPRESS)
     parser.add_argument("--fingerprint", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        _child(args.repeats)
+        _child(args.repeats, args.callgrind_out)
         return 0
     if args.fingerprint:
         _fingerprint()
         return 0
     if len(args.impl) < 2:
         parser.error("give at least two --impl NAME=PYTHON[:PYTHONPATH]")
+    valgrind = None
+    if args.instructions:
+        valgrind = shutil.which("valgrind")
+        if valgrind is None:
+            parser.error("--instructions needs valgrind on PATH (e.g. apt-get install valgrind)")
     impls = []
     for spec in args.impl:
         name, sep, rest = spec.partition("=")
@@ -183,20 +220,27 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.rounds):
         order = impls if r % 2 == 0 else impls[::-1]
         for name, python, pythonpath in order:
-            result = _run(python, pythonpath, args.repeats)
+            result = _run(python, pythonpath, args.repeats, valgrind=valgrind)
             medians[name].append(statistics.median(result["times"]))
+            value = (
+                f"{medians[name][-1]:,.0f} instructions"
+                if valgrind
+                else f"{medians[name][-1] * 1e3:.1f} ms"
+            )
             print(
-                f"round {r + 1}/{args.rounds} {name}: "
-                f"{medians[name][-1] * 1e3:.1f} ms ({result['torch']})",
+                f"round {r + 1}/{args.rounds} {name}: {value} ({result['torch']})",
                 file=sys.stderr,
             )
     base = impls[0][0]
-    print(f"{'impl':<12} {'median compile ms':>18} {'ratio to ' + base:>14}")
+    what = "median compile Ir" if valgrind else "median compile ms"
+    print(f"{'impl':<12} {what:>18} {'ratio to ' + base:>14}")
     for name, _, _ in impls:
         paired = statistics.median(
             a / b for a, b in zip(medians[name], medians[base], strict=True)
         )
-        print(f"{name:<12} {statistics.median(medians[name]) * 1e3:>18.1f} {paired:>14.3f}")
+        median = statistics.median(medians[name])
+        shown = f"{median:,.0f}" if valgrind else f"{median * 1e3:.1f}"
+        print(f"{name:<12} {shown:>18} {paired:>14.3f}")
     return 0
 
 

@@ -73,15 +73,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import dataclasses
 import functools
 import gc
 import hashlib
 import importlib.util
+import itertools
 import json
 import math
-import mmap
 import os
 import platform
 import re
@@ -99,6 +98,8 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 from torch.utils.benchmark import Compare, Measurement, Timer
+
+from _callgrind import CALLGRIND_OPTIONS, Callgrind  # this directory (sys.path[0])
 
 try:
     import torch.utils._cxx_pytree as cxx_pytree
@@ -590,6 +591,33 @@ def run_family_first_seen(
     return [cold, warm]
 
 
+def run_first_seen_classes(
+    impls: dict[str, Any], rounds: int, batch: int, measure: Measure = _time_batch
+) -> list[Result]:
+    """Flatten a list of ``batch`` leaves, each an instance of a class never seen before.
+
+    The classes are made with ``type()`` outside the measured region and are held by
+    nothing but their instances (like classes made in a loop or a local class), so the
+    per-class caches of the patched pytree are cold and the classes go to their weakly
+    keyed part. Stock has no per-class cache: its cost is what it pays on every call.
+    One measured call flattens one such list; 5 lists per measurement.
+    """
+    cols = [c for c in ("stock", "patched", "cxx") if c in impls]
+    res = Result(f"first_seen_leaf_classes_{batch} [cold]", "tree_flatten", batch,
+                 {c: [] for c in cols}, {}, gated=False)
+    counter = itertools.count()
+    for r in range(rounds):
+        for col in cols if r % 2 == 0 else cols[::-1]:
+            lists = [
+                [type(f"FreshLeaf{next(counter)}", (), {"__module__": __name__})() for _ in range(batch)]
+                for _ in range(5)
+            ]
+            res.rounds[col].append(measure(impls[col].tree_flatten, lists))
+            del lists
+    res.note = f"per call, a list of {batch} instances of {batch} never-seen classes"
+    return [res]
+
+
 def run_family_registration(
     impls: dict[str, Any], rounds: int, reps: int, n_sub: int = 200, measure: Measure = _time_batch
 ) -> list[Result]:
@@ -668,88 +696,6 @@ MAX_CALLS = 100_000
 WARMUP_CALLS = 20  # uncounted calls before the first measured region (at least n)
 
 
-class Callgrind:
-    """Callgrind client requests from Python, in the child process that runs under callgrind.
-
-    A client request is a magic instruction sequence that valgrind recognizes and that does
-    nothing natively (``valgrind.h``). ``_CODE`` is that sequence for x86-64 wrapped in a
-    function ``size_t request(size_t args[6])``, put in an executable page and called through
-    ctypes. The child runs with ``--instr-atstart=no --collect-atstart=no``: ``import torch`` runs
-    uninstrumented (about 10x slower than native instead of about 50x), ``start()`` switches
-    the instrumentation on, and ``count(fn)`` switches collection on around ``fn()`` only, then
-    dumps; the dump holds exactly the instructions of that region, and its total is read back.
-    """
-
-    _BASE = 0x43540000  # VG_USERREQ_TOOL_BASE('C', 'T') in callgrind.h
-    TOGGLE_COLLECT, DUMP_STATS_AT, START_INSTRUMENTATION = _BASE + 2, _BASE + 3, _BASE + 4
-    RUNNING_ON_VALGRIND = 0x1001
-    # mov rax,rdi; xor edx,edx; rol rdi,3; rol rdi,13; rol rdi,61; rol rdi,51; xchg rbx,rbx;
-    # mov rax,rdx; ret  -- rax: the request block, rdx: the default/result
-    _CODE = "4889f8 31d2 48c1c703 48c1c70d 48c1c73d 48c1c733 4887db 4889d0 c3"
-
-    def __init__(self, out_file: str, keep: bool = False) -> None:
-        if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
-            raise SystemExit("--instructions: the callgrind client requests are implemented for x86-64 Linux only")
-        self._mem = mmap.mmap(-1, mmap.PAGESIZE, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
-        self._mem.write(bytes.fromhex(self._CODE))
-        addr = ctypes.addressof(ctypes.c_char.from_buffer(self._mem))
-        self._fn = ctypes.CFUNCTYPE(ctypes.c_size_t, ctypes.c_void_p)(addr)
-        self._args = (ctypes.c_size_t * 6)()
-        self.out_file, self.keep, self.dumps = out_file, keep, 0
-        if not self._request(self.RUNNING_ON_VALGRIND):
-            raise SystemExit(f"{CALLGRIND_ENV} is set, but this process does not run under valgrind")
-
-    def _request(self, code: int, arg: int = 0) -> int:
-        self._args[0], self._args[1] = code, arg
-        return self._fn(self._args)
-
-    def start(self) -> None:
-        self._request(self.START_INSTRUMENTATION)
-
-    def count(self, fn: Callable[[], Any], tag: str) -> int:
-        """Instructions of ``fn()``, GC disabled, plus a constant few thousand of the toggling."""
-        gc_was = gc.isenabled()
-        gc.disable()
-        try:
-            self._request(self.TOGGLE_COLLECT)
-            try:
-                fn()
-            finally:
-                self._request(self.TOGGLE_COLLECT)
-        finally:
-            if gc_was:
-                gc.enable()
-        tag = re.sub(r"\s+", " ", tag)[:200]
-        buf = ctypes.create_string_buffer(tag.encode())
-        self._request(self.DUMP_STATS_AT, ctypes.addressof(buf))
-        self.dumps += 1
-        path = f"{self.out_file}.{self.dumps}"
-        trigger = total = None
-        with open(path) as f:
-            for line in f:
-                if line.startswith("desc: Trigger:"):
-                    trigger = line.split(":", 2)[2].strip()
-                elif line.startswith(("summary:", "totals:")):
-                    total = int(line.split()[1])
-                    break
-        if trigger != f"Client Request: {tag}" or total is None:
-            raise RuntimeError(f"{path}: expected the dump {tag!r}, found {trigger!r} (total {total})")
-        if not self.keep:
-            os.unlink(path)
-        return total
-
-    def per_call(self, fn: Callable[[Any], Any], objs: list[Any]) -> float:
-        """``Measure`` for the one-off family cases: instructions per ``fn(o)`` over ``objs``."""
-
-        def loop(xs: list[Any]) -> None:
-            for o in xs:
-                fn(o)
-
-        full = self.count(lambda: loop(objs), f"{getattr(fn, '__qualname__', 'fn')} x{len(objs)}")
-        empty = self.count(lambda: loop([]), "empty loop")
-        return (full - empty) / len(objs)
-
-
 def _calls_for(ir_target: float, ir_per_call: float) -> int:
     """The largest of 1, 2, 5, 10, 20, 50, ... calls that stays within ``ir_target`` instructions."""
     n = 1
@@ -810,9 +756,10 @@ def instruction_child(args: argparse.Namespace) -> int:
             rows.extend(rows_from_result(res, g.family_row, instructions=True))
             print(f"  {g.case:<36} {op:<24} x{res.calls:<6} " + "  ".join(
                 f"{c}={_median(v):,.0f}" for c, v in res.rounds.items()), flush=True)
-    if HAS_FAMILY and (not args.cases or "family" in args.cases):
+    if HAS_FAMILY and (not args.cases or "family" in args.cases or "first_seen" in args.cases):
         batch = 20 if args.quick else 50
         first_seen = run_family_first_seen(impls, args.ir_rounds, batch, cg.per_call)
+        first_seen += run_first_seen_classes(impls, args.ir_rounds, batch, cg.per_call)
         registration = run_family_registration(impls, args.ir_rounds, 1, measure=cg.per_call)
         for res in first_seen:
             res.calls = batch
@@ -843,8 +790,8 @@ def run_instructions(args: argparse.Namespace, argv: list[str]) -> dict[str, Any
     out_dir = args.callgrind_dir or tempfile.mkdtemp(prefix="pytree_bench_callgrind_")
     os.makedirs(out_dir, exist_ok=True)
     out = os.path.join(out_dir, "callgrind.out")
-    cmd = [valgrind, "-q", "--tool=callgrind", "--instr-atstart=no", "--collect-atstart=no",
-           f"--callgrind-out-file={out}", sys.executable, os.path.abspath(__file__), *argv]
+    cmd = [valgrind, *CALLGRIND_OPTIONS, f"--callgrind-out-file={out}", sys.executable,
+           os.path.abspath(__file__), *argv]
     env = {**os.environ, CALLGRIND_ENV: out}
     env.setdefault("PYTHONHASHSEED", "0")  # same dict/set layouts in every run: repeatable counts
     version = subprocess.run([valgrind, "--version"], capture_output=True, text=True, check=True).stdout.strip()
@@ -1262,8 +1209,11 @@ def main(argv: list[str] | None = None) -> int:
                 res = run_group_and_report(g, op, args)
                 results.append(res)
                 rows.extend(rows_from_result(res, g.family_row))
-        if HAS_FAMILY and (not args.cases or "family" in args.cases):
+        if HAS_FAMILY and (not args.cases or "family" in args.cases or "first_seen" in args.cases):
             for res in run_family_first_seen(impls, args.rounds, batch=20 if args.quick else 50):
+                results.append(res)
+                rows.extend(rows_from_result(res, None))
+            for res in run_first_seen_classes(impls, args.rounds, batch=20 if args.quick else 50):
                 results.append(res)
                 rows.extend(rows_from_result(res, None))
             for res in run_family_registration(impls, args.rounds, reps=1 if args.quick else 3):
