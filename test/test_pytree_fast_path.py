@@ -91,6 +91,27 @@ class TestPytreeFastPath(TestCase):
             py_pytree.tree_is_leaf(tree, is_leaf=lambda _: False),
         )
 
+    def test_unflatten_builds_new_containers(self) -> None:
+        # Lists and tuples of leaves are built inline from the leaves; every
+        # container is new and of the exact type, whatever sequence of leaves
+        # is given.
+        tree = {"a": [1, 2], "b": (3, [4, ()]), "c": [], "d": Point(5, 6), "e": [[7]]}
+        leaves, spec = py_pytree.tree_flatten(tree)
+        for given in (leaves, tuple(leaves), iter(leaves)):
+            out = py_pytree.tree_unflatten(given, spec)
+            self.assertEqual(out, tree)
+            self.assertIs(type(out["b"]), tuple)
+            self.assertIs(type(out["b"][1][1]), tuple)
+            self.assertIs(type(out["d"]), Point)
+        out = py_pytree.tree_unflatten(leaves, spec)
+        out["a"].append(0)
+        out["c"].append(0)
+        out["e"][0].append(0)
+        self.assertEqual(leaves, [1, 2, 3, 4, 5, 6, 7])
+        self.assertEqual(py_pytree.tree_unflatten(leaves, spec), tree)
+        flat, flat_spec = py_pytree.tree_flatten([1, 2])
+        self.assertIsNot(py_pytree.tree_unflatten(flat, flat_spec), flat)
+
     def test_spec_repr(self) -> None:
         _, spec = py_pytree.tree_flatten({"a": [1, (2,)], "b": None})
         self.assertExpectedInline(
