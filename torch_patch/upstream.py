@@ -74,7 +74,8 @@ outputs (exact registration vs family), deep chains and single leaves.
 --check RATIO turns it into a regression gate.
 
 --instructions counts instructions with callgrind instead (stable under
-load); --with-time records both in one run.
+load; the client requests are in benchmarks/pytree/_callgrind.py);
+--with-time records both in one run.
 
 benchmarks/pytree/cxx_pytree_bench.py times a base revision's
 torch/utils/_cxx_pytree.py (alias module, same optree registry) against the
@@ -83,7 +84,8 @@ but unused, and with transformers imported (gated by --check), and trees of
 family members against exactly registered twins.
 
 benchmarks/pytree/compile_time_bench.py compares Dynamo compile time of
-pytree-heavy code between two torch builds (child processes, alternating).
+pytree-heavy code between two torch builds (child processes, alternating);
+with --instructions it counts each compile under callgrind instead.
 
 Test Plan:
 
