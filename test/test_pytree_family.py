@@ -22,6 +22,7 @@ import tempfile
 import textwrap
 import threading
 import time
+import types
 import warnings
 import weakref
 from collections import defaultdict, namedtuple, OrderedDict
@@ -1339,6 +1340,76 @@ class TestPytreeFamilySerialization(FamilyTestCase):
         out_line, dumps_line = result.stdout.strip().splitlines()[-2:]
         self.assertEqual(out_line, "[Out(a=1, b=None, c=2)]")
         self.assertEqual(dumps_line, py_pytree.treespec_dumps(spec))
+
+    def test_same_qualname_members_never_load_as_each_other(self) -> None:
+        # Classes made by a factory share their module and qualified name: a
+        # spec of one must not load back as another (it is refused instead).
+        @dataclasses.dataclass
+        class Base:
+            x: object
+
+        self.register_family(Base)
+
+        def make(tag: str) -> type:
+            @dataclasses.dataclass
+            class Made(Base):
+                pass
+
+            Made.tag = tag
+            return Made
+
+        first = make("first")
+        leaves, first_spec = py_pytree.tree_flatten(first(1))
+        dumped = py_pytree.treespec_dumps(first_spec)  # unique so far
+        self.assertIs(py_pytree.treespec_loads(dumped).type, first)
+        second = make("second")
+        _, second_spec = py_pytree.tree_flatten(second(1))
+        for cls, spec in ((first, first_spec), (second, second_spec)):
+            self.assertIs(type(py_pytree.tree_unflatten(leaves, spec)), cls)
+            with self.assertRaisesRegex(ValueError, "would not load back"):
+                py_pytree.treespec_dumps(spec)
+        with self.assertRaisesRegex(ValueError, "Several registered pytree node"):
+            py_pytree.treespec_loads(dumped)
+
+    def test_redefined_member_loads_as_the_class_its_module_holds(self) -> None:
+        module = types.ModuleType("redefined_members")
+        self.addCleanup(sys.modules.pop, module.__name__, None)
+        sys.modules[module.__name__] = module
+        code = textwrap.dedent(
+            """
+            import dataclasses
+
+            @dataclasses.dataclass
+            class Base:
+                x: object
+
+            @dataclasses.dataclass
+            class Out(Base):
+                pass
+            """
+        )
+        exec(code, module.__dict__)
+        self.register_family(module.Base)
+        old = module.Out
+        py_pytree.tree_flatten(old(1))
+        exec(
+            "@dataclasses.dataclass\nclass Out(Base):\n    pass\n", module.__dict__
+        )
+        new = module.Out
+        self.assertIsNot(new, old)
+        _, spec = py_pytree.tree_flatten(new(1))
+        self.assertIs(py_pytree.treespec_loads(py_pytree.treespec_dumps(spec)).type, new)
+        _, old_spec = py_pytree.tree_flatten(old(1))
+        with self.assertRaisesRegex(ValueError, "would not load back"):
+            py_pytree.treespec_dumps(old_spec)
+        # Deregistering the family forgets the ambiguity with the members.
+        py_pytree._deregister_pytree_family(module.Base)
+        self.assertNotIn(
+            "redefined_members.Out", py_pytree._AMBIGUOUS_SERIALIZED_NAMES
+        )
+        py_pytree.register_pytree_family(module.Base)
+        _, spec = py_pytree.tree_flatten(new(1))
+        self.assertIs(py_pytree.treespec_loads(py_pytree.treespec_dumps(spec)).type, new)
 
     def test_loads_resolves_imported_class_family(self) -> None:
         importlib.import_module("familypkg.outputs")
