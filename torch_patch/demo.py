@@ -17,8 +17,10 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import io
+import logging
 import sys
 import time
+import warnings
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -119,7 +121,18 @@ def _onnx_export_and_check(name: str, model, input_ids, kwargs) -> bool:  # type
 
     start = time.perf_counter()
     inputs = {"input_ids": input_ids, **kwargs}
-    with torch.no_grad():
+    # Keep the output readable: the exporter logs that torchvision's ops are not
+    # registered (torchvision is not installed), and stock 2.13.0 warns when it
+    # copies a LeafSpec. Neither concerns this demo.
+    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(
+        logging.ERROR
+    )
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore",
+            message=r".*isinstance\(treespec, LeafSpec\)",
+            category=FutureWarning,
+        )
         eager = model(**inputs)
         onnx_program = torch.onnx.export(
             model, (), kwargs=inputs, dynamo=True, verbose=False
