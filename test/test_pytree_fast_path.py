@@ -219,6 +219,55 @@ TreeSpec(dict, ['a', 'b'], [TreeSpec(list, None, [*,
         gc.collect()
         self.assertEqual([r for r in refs if r() is not None], [])
 
+    def test_class_seen_once_then_covered(self) -> None:
+        # A plain leaf class is not cached at its first sighting; a family or
+        # an exact registration made after it takes effect at the next one.
+        @dataclasses.dataclass
+        class Base:
+            value: Any
+
+        class Member(Base):
+            pass
+
+        class Exact:
+            pass
+
+        member, exact = Member(1), Exact()
+        self.assertEqual(py_pytree.tree_leaves([member, exact]), [member, exact])
+        py_pytree.register_pytree_family(Base)
+        py_pytree.register_pytree_node(Exact, lambda e: ([2], None), lambda v, _: Exact())
+        try:
+            self.assertEqual(py_pytree.tree_leaves([member, exact]), [1, 2])
+            self.assertFalse(py_pytree.tree_is_leaf(member))
+            self.assertIs(py_pytree.tree_structure(exact).type, Exact)
+        finally:
+            py_pytree._deregister_pytree_family(Base)
+            py_pytree._deregister_pytree_node(Exact)
+        self.assertEqual(py_pytree.tree_leaves([member, exact]), [member, exact])
+
+    def test_caching_that_races_a_registration_is_taken_back(self) -> None:
+        # A class seen for the second time is cached without the registry
+        # lock. If a family that covers it is registered between the check
+        # and the caching, the entry must not survive.
+        @dataclasses.dataclass
+        class Base:
+            value: Any
+
+        class Member(Base):
+            pass
+
+        generation = py_pytree._NODE_TYPE_CACHE_GENERATION
+        self.assertEqual(py_pytree._plain_leaf_sighting(Member), 1)
+        self.assertEqual(py_pytree._plain_leaf_sighting(Member), 2)
+        py_pytree.register_pytree_family(Base)  # the racing registration
+        try:
+            self.assertTrue(py_pytree._cache_plain_leaf_class(Member, generation))
+            self.assertFalse(py_pytree.tree_is_leaf(Member(1)))
+            self.assertEqual(py_pytree.tree_leaves([Member(1)]), [1])
+        finally:
+            py_pytree._deregister_pytree_family(Base)
+        self.assertEqual(py_pytree._plain_leaf_sighting(Member), 1)
+
     def test_compile_does_not_guard_on_the_caches(self) -> None:
         # Dynamo traces the reference implementations: flattening other trees
         # eagerly between calls (which fills the caches) recompiles nothing.
