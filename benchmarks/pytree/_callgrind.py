@@ -15,10 +15,19 @@ import os
 import platform
 import re
 import sys
-from collections.abc import Callable
-from typing import Any
+from typing import Any, TYPE_CHECKING
 
-CALLGRIND_OPTIONS = ("-q", "--tool=callgrind", "--instr-atstart=no", "--collect-atstart=no")
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+
+CALLGRIND_OPTIONS = (
+    "-q",
+    "--tool=callgrind",
+    "--instr-atstart=no",
+    "--collect-atstart=no",
+)
 
 
 class Callgrind:
@@ -35,7 +44,11 @@ class Callgrind:
     """
 
     _BASE = 0x43540000  # VG_USERREQ_TOOL_BASE('C', 'T') in callgrind.h
-    TOGGLE_COLLECT, DUMP_STATS_AT, START_INSTRUMENTATION = _BASE + 2, _BASE + 3, _BASE + 4
+    TOGGLE_COLLECT, DUMP_STATS_AT, START_INSTRUMENTATION = (
+        _BASE + 2,
+        _BASE + 3,
+        _BASE + 4,
+    )
     RUNNING_ON_VALGRIND = 0x1001
     # mov rax,rdi; xor edx,edx; rol rdi,3; rol rdi,13; rol rdi,61; rol rdi,51; xchg rbx,rbx;
     # mov rax,rdx; ret  -- rax: the request block, rdx: the default/result
@@ -43,15 +56,21 @@ class Callgrind:
 
     def __init__(self, out_file: str, keep: bool = False) -> None:
         if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
-            raise SystemExit("--instructions: the callgrind client requests are implemented for x86-64 Linux only")
-        self._mem = mmap.mmap(-1, mmap.PAGESIZE, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+            raise SystemExit(
+                "--instructions: the callgrind client requests are implemented for x86-64 Linux only"
+            )
+        self._mem = mmap.mmap(
+            -1, mmap.PAGESIZE, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC
+        )
         self._mem.write(bytes.fromhex(self._CODE))
         addr = ctypes.addressof(ctypes.c_char.from_buffer(self._mem))
         self._fn = ctypes.CFUNCTYPE(ctypes.c_size_t, ctypes.c_void_p)(addr)
         self._args = (ctypes.c_size_t * 6)()
         self.out_file, self.keep, self.dumps = out_file, keep, 0
         if not self._request(self.RUNNING_ON_VALGRIND):
-            raise SystemExit("--instructions: this child process does not run under valgrind")
+            raise SystemExit(
+                "--instructions: this child process does not run under valgrind"
+            )
 
     def _request(self, code: int, arg: int = 0) -> int:
         self._args[0], self._args[1] = code, arg
@@ -87,7 +106,9 @@ class Callgrind:
                     total = int(line.split()[1])
                     break
         if trigger != f"Client Request: {tag}" or total is None:
-            raise RuntimeError(f"{path}: expected the dump {tag!r}, found {trigger!r} (total {total})")
+            raise RuntimeError(
+                f"{path}: expected the dump {tag!r}, found {trigger!r} (total {total})"
+            )
         if not self.keep:
             os.unlink(path)
         return total
@@ -99,6 +120,8 @@ class Callgrind:
             for o in xs:
                 fn(o)
 
-        full = self.count(lambda: loop(objs), f"{getattr(fn, '__qualname__', 'fn')} x{len(objs)}")
+        full = self.count(
+            lambda: loop(objs), f"{getattr(fn, '__qualname__', 'fn')} x{len(objs)}"
+        )
         empty = self.count(lambda: loop([]), "empty loop")
         return (full - empty) / len(objs)

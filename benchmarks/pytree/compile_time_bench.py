@@ -55,10 +55,13 @@ def _child(repeats: int, callgrind_out: str | None = None) -> None:
 
     tree = {
         "list": [torch.ones(2) for _ in range(50)],
-        "nested": [{"a": torch.ones(2), "b": (torch.ones(2), torch.ones(2))} for _ in range(16)],
+        "nested": [
+            {"a": torch.ones(2), "b": (torch.ones(2), torch.ones(2))} for _ in range(16)
+        ],
         "tuple": tuple(torch.ones(2) for _ in range(2)),
     }
-    assert len(pytree.tree_leaves(tree)) == 100
+    if len(pytree.tree_leaves(tree)) != 100:
+        raise RuntimeError("the benchmark tree must have 100 leaves")
     cg = None
     if callgrind_out is not None:
         from _callgrind import Callgrind  # this directory (sys.path[0])
@@ -77,7 +80,11 @@ def _child(repeats: int, callgrind_out: str | None = None) -> None:
             cg.start()
         else:
             times.append(cg.count(lambda: compiled(tree), f"compile {i}"))
-    print(json.dumps({"times": times[1:] if cg is None else times, "torch": torch.__file__}))
+    print(
+        json.dumps(
+            {"times": times[1:] if cg is None else times, "torch": torch.__file__}
+        )
+    )
 
 
 def _fingerprint() -> None:
@@ -92,17 +99,30 @@ def _fingerprint() -> None:
         print(json.dumps({"error": f"no torch importable by {sys.executable}"}))
         return
     root = Path(spec.origin).parent
-    files = sorted(root.glob("utils/*pytree*.py")) + sorted(root.glob("_dynamo/**/*.py"))
+    files = sorted(root.glob("utils/*pytree*.py")) + sorted(
+        root.glob("_dynamo/**/*.py")
+    )
     h = hashlib.sha256()
     for f in files:
-        h.update(f.relative_to(root).as_posix().encode() + b"\0" + hashlib.sha256(f.read_bytes()).digest())
-    pytree_src = (root / "utils" / "_pytree.py").read_text(encoding="utf-8", errors="replace")
-    print(json.dumps({
-        "torch": str(root),
-        "fingerprint": h.hexdigest(),
-        "files": len(files),
-        "has_register_pytree_family": "def register_pytree_family(" in pytree_src,
-    }))
+        h.update(
+            f.relative_to(root).as_posix().encode()
+            + b"\0"
+            + hashlib.sha256(f.read_bytes()).digest()
+        )
+    pytree_src = (root / "utils" / "_pytree.py").read_text(
+        encoding="utf-8", errors="replace"
+    )
+    print(
+        json.dumps(
+            {
+                "torch": str(root),
+                "fingerprint": h.hexdigest(),
+                "files": len(files),
+                "has_register_pytree_family": "def register_pytree_family("
+                in pytree_src,
+            }
+        )
+    )
 
 
 def _env(pythonpath: str | None) -> dict:
@@ -151,8 +171,12 @@ def main(argv: list[str] | None = None) -> int:
         metavar="NAME=PYTHON[:PYTHONPATH]",
         help="an implementation to time (repeat; the first is the baseline)",
     )
-    parser.add_argument("--rounds", type=int, default=5, help="child processes per implementation")
-    parser.add_argument("--repeats", type=int, default=5, help="compiles per child process")
+    parser.add_argument(
+        "--rounds", type=int, default=5, help="child processes per implementation"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="compiles per child process"
+    )
     parser.add_argument(
         "--allow-same",
         action="store_true",
@@ -180,7 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.instructions:
         valgrind = shutil.which("valgrind")
         if valgrind is None:
-            parser.error("--instructions needs valgrind on PATH (e.g. apt-get install valgrind)")
+            parser.error(
+                "--instructions needs valgrind on PATH (e.g. apt-get install valgrind)"
+            )
     impls = []
     for spec in args.impl:
         name, sep, rest = spec.partition("=")

@@ -99,7 +99,10 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils.benchmark import Compare, Measurement, Timer
 
-from _callgrind import CALLGRIND_OPTIONS, Callgrind  # this directory (sys.path[0])
+
+# this directory (sys.path[0])
+from _callgrind import Callgrind, CALLGRIND_OPTIONS  # usort: skip
+
 
 try:
     import torch.utils._cxx_pytree as cxx_pytree
@@ -225,7 +228,7 @@ def register_exact(module: Any, cls: type, flatten=None, unflatten=None) -> None
 def _has_leaves(module: Any, tree: Any, n: int) -> bool:
     try:
         return len(module.tree_leaves(tree)) == n
-    except Exception:  # noqa: BLE001 -- any failure means "does not see the leaves"
+    except Exception:  # any failure means "does not see the leaves"
         return False
 
 
@@ -241,7 +244,7 @@ def ensure_family(base: type, probe: Any, n_leaves: int) -> dict[str, bool]:
     if not _has_leaves(pytree, probe, n_leaves):
         try:
             pytree.register_pytree_family(base)
-        except Exception as e:  # noqa: BLE001 -- already registered lazily, etc.
+        except Exception as e:  # already registered lazily, etc.
             print(f"  note: register_pytree_family({base.__name__}): {e!r}")
     ok["patched"] = _has_leaves(pytree, probe, n_leaves)
     if cxx_pytree is not None:
@@ -250,7 +253,7 @@ def ensure_family(base: type, probe: Any, n_leaves: int) -> dict[str, bool]:
         ):
             try:
                 cxx_pytree.register_pytree_family(base)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 print(f"  note: cxx register_pytree_family({base.__name__}): {e!r}")
         ok["cxx"] = _has_leaves(cxx_pytree, probe, n_leaves)
     return ok
@@ -328,10 +331,19 @@ def hf_variants(
 
 def build_hf_like(impls: dict[str, Any]) -> Group:
     t = _tensors(49)
-    kw = {"last_hidden_state": t[0], "past_key_values": tuple((t[1 + 2 * i], t[2 + 2 * i]) for i in range(24))}
+    kw = {
+        "last_hidden_state": t[0],
+        "past_key_values": tuple((t[1 + 2 * i], t[2 + 2 * i]) for i in range(24)),
+    }
     exact, family = HFLikeOutputExact(**kw), HFLikeOutputFamily(**kw)
     fam_ok = ensure_family(HFLikeBase, family, 49)
-    return Group("hf_like_49", 49, hf_variants(impls, exact, family, fam_ok), OPS, "hf_like_49 [family]")
+    return Group(
+        "hf_like_49",
+        49,
+        hf_variants(impls, exact, family, fam_ok),
+        OPS,
+        "hf_like_49 [family]",
+    )
 
 
 def build_transformers(impls: dict[str, Any], stock: Any | None) -> list[Group]:
@@ -341,7 +353,7 @@ def build_transformers(impls: dict[str, Any], stock: Any | None) -> list[Group]:
             Seq2SeqLMOutput,
         )
         from transformers.utils import generic as hf_generic
-    except Exception as e:  # noqa: BLE001 -- not installed, or an incompatible version
+    except Exception as e:  # not installed, or an incompatible version
         print(f"  transformers cases skipped: {e!r}")
         return []
 
@@ -352,7 +364,9 @@ def build_transformers(impls: dict[str, Any], stock: Any | None) -> list[Group]:
     def family_subclass(cls: type) -> type:
         # A subclass of the real class with transformers' auto-registration removed,
         # so the patched pytree resolves it through the ModelOutput family.
-        sub = dataclasses.dataclass(type(f"Family{cls.__name__}", (cls,), {"__module__": __name__}))
+        sub = dataclasses.dataclass(
+            type(f"Family{cls.__name__}", (cls,), {"__module__": __name__})
+        )
         if sub in getattr(pytree, "SUPPORTED_NODES", {}):
             pytree._deregister_pytree_node(sub)
         if cxx_pytree is not None:
@@ -364,7 +378,13 @@ def build_transformers(impls: dict[str, Any], stock: Any | None) -> list[Group]:
 
     groups = []
     specs = [
-        (BaseModelOutputWithPast, 24, 2, lambda cls, t, kv: {"last_hidden_state": t[0], cache_field(cls): kv}, 1),
+        (
+            BaseModelOutputWithPast,
+            24,
+            2,
+            lambda cls, t, kv: {"last_hidden_state": t[0], cache_field(cls): kv},
+            1,
+        ),
         (
             Seq2SeqLMOutput,
             12,
@@ -395,14 +415,20 @@ def build_transformers(impls: dict[str, Any], stock: Any | None) -> list[Group]:
             )
         sub = family_subclass(cls)
         family = sub(**make_kw(sub, t, kv))
-        fam_ok = (
-            ensure_family(hf_generic.ModelOutput, family, n) if HAS_FAMILY else {}
-        )
+        fam_ok = ensure_family(hf_generic.ModelOutput, family, n) if HAS_FAMILY else {}
         if not _has_leaves(pytree, exact, n):
             print(f"  {cls.__name__}: patched pytree does not see {n} leaves, skipped")
             continue
         name = f"hf_{cls.__name__}_{n}"
-        groups.append(Group(name, n, hf_variants(impls, exact, family, fam_ok), OPS, f"{name} [family]"))
+        groups.append(
+            Group(
+                name,
+                n,
+                hf_variants(impls, exact, family, fam_ok),
+                OPS,
+                f"{name} [family]",
+            )
+        )
     return groups
 
 
@@ -437,7 +463,9 @@ def make_stmt(op: str, v: Variant) -> tuple[str, dict[str, Any]]:
     raise ValueError(op)
 
 
-def validate(op: str, v: Variant, stmt_globals: dict[str, Any], n_leaves: int) -> str | None:
+def validate(
+    op: str, v: Variant, stmt_globals: dict[str, Any], n_leaves: int
+) -> str | None:
     """Run the op once and check it does real work; return a reason when it cannot be timed."""
     m, tree = v.module, v.tree
     try:
@@ -466,7 +494,7 @@ def validate(op: str, v: Variant, stmt_globals: dict[str, Any], n_leaves: int) -
             spec = m.treespec_loads(stmt_globals["j"])
             if spec != m.tree_structure(tree):
                 return "loads(dumps(spec)) != spec"
-    except Exception as e:  # noqa: BLE001 -- the reason is reported
+    except Exception as e:  # the reason is reported
         return f"{type(e).__name__}: {str(e).splitlines()[0][:60] if str(e) else ''}"
     return None
 
@@ -484,14 +512,16 @@ class Result:
     calls: int | None = None  # instruction mode: calls per measured region
 
 
-def group_members(group: Group, op: str) -> tuple[list[tuple[str, str, dict[str, Any]]], dict[str, str]]:
+def group_members(
+    group: Group, op: str
+) -> tuple[list[tuple[str, str, dict[str, Any]]], dict[str, str]]:
     """(column, stmt, globals) of every member that passes ``validate``, and why the others do not."""
     members: list[tuple[str, str, dict[str, Any]]] = []
     skipped: dict[str, str] = {}
     for v in group.variants:
         try:
             stmt, g = make_stmt(op, v)
-        except Exception as e:  # noqa: BLE001 -- any failure makes the member n/a
+        except Exception as e:  # any failure makes the member n/a
             skipped[v.column] = f"{type(e).__name__}"
             continue
         why = validate(op, v, g, v.leaves or group.leaves)
@@ -502,7 +532,9 @@ def group_members(group: Group, op: str) -> tuple[list[tuple[str, str, dict[str,
     return members, skipped
 
 
-def run_group(group: Group, op: str, rounds: int, block_time: float, blocks: int) -> Result:
+def run_group(
+    group: Group, op: str, rounds: int, block_time: float, blocks: int
+) -> Result:
     members, skipped = group_members(group, op)
     timers = [
         (col, Timer(stmt, globals=g, label=op, sub_label=group.case, description=col))
@@ -515,7 +547,9 @@ def run_group(group: Group, op: str, rounds: int, block_time: float, blocks: int
     # ratios compare measurements taken milliseconds apart.
     number = {}
     for col, timer in timers:
-        per_call = timer.blocked_autorange(min_run_time=max(0.005, 3 * block_time)).median
+        per_call = timer.blocked_autorange(
+            min_run_time=max(0.005, 3 * block_time)
+        ).median
         number[col] = max(1, int(block_time / per_call))
     for r in range(rounds):
         order = timers if r % 2 == 0 else timers[::-1]
@@ -542,7 +576,9 @@ def _time_batch(fn: Callable[[Any], Any], objs: list[Any]) -> float:
     return (t1 - t0) * 1e-9 / len(objs)
 
 
-Measure = Callable[[Callable[[Any], Any], list[Any]], float]  # (fn, objs) -> cost of one fn(obj)
+Measure = Callable[
+    [Callable[[Any], Any], list[Any]], float
+]  # (fn, objs) -> cost of one fn(obj)
 
 
 def run_family_first_seen(
@@ -563,8 +599,17 @@ def run_family_first_seen(
     fam_ok = ensure_family(SmallBase, SmallFamily(a=t[0], b=t[1]), 2)
     cols = [c for c in ("patched", "cxx") if fam_ok.get(c)]
     mods = {"patched": pytree, "cxx": cxx_pytree}
-    cold = Result("family_first_seen_2 [cold]", "tree_flatten", 2, {c: [] for c in cols}, {}, gated=False)
-    warm = Result("family_first_seen_2 [warm]", "tree_flatten", 2, {c: [] for c in cols}, {})
+    cold = Result(
+        "family_first_seen_2 [cold]",
+        "tree_flatten",
+        2,
+        {c: [] for c in cols},
+        {},
+        gated=False,
+    )
+    warm = Result(
+        "family_first_seen_2 [warm]", "tree_flatten", 2, {c: [] for c in cols}, {}
+    )
     if stock is not None:
         warm.rounds["stock"] = []
     if not cols:
@@ -576,7 +621,9 @@ def run_family_first_seen(
             objs = []
             for _ in range(batch):
                 counter += 1
-                cls = type(f"SmallFresh{counter}", (SmallFamily,), {"__module__": __name__})
+                cls = type(
+                    f"SmallFresh{counter}", (SmallFamily,), {"__module__": __name__}
+                )
                 objs.append(cls(a=t[0], b=t[1]))
             flat = mods[col].tree_flatten
             cold.rounds[col].append(measure(flat, objs))
@@ -585,9 +632,17 @@ def run_family_first_seen(
             objs = [SmallExact(a=t[0], b=t[1]) for _ in range(batch)]
             stock.tree_flatten(objs[0])
             warm.rounds["stock"].append(measure(stock.tree_flatten, objs))
-    ratio = statistics.median(a / b for a, b in zip(cold.rounds["patched"], warm.rounds["patched"])) if "patched" in cols else float("nan")
+    ratio = (
+        statistics.median(
+            a / b for a, b in zip(cold.rounds["patched"], warm.rounds["patched"])
+        )
+        if "patched" in cols
+        else float("nan")
+    )
     cold.note = f"per call, batches of {batch} fresh subclasses; patched cold/warm = {ratio:.2f}"
-    warm.note = "stock = the same 2-field class registered exactly (stock has no family)"
+    warm.note = (
+        "stock = the same 2-field class registered exactly (stock has no family)"
+    )
     return [cold, warm]
 
 
@@ -605,28 +660,45 @@ def run_first_seen_classes(
     cols = [c for c in ("stock", "patched", "cxx") if c in impls]
     sightings = ("cold", "second sight", "third sight")
     results = [
-        Result(f"first_seen_leaf_classes_{batch} [{sighting}]", "tree_flatten", batch,
-               {c: [] for c in cols}, {}, gated=False)
+        Result(
+            f"first_seen_leaf_classes_{batch} [{sighting}]",
+            "tree_flatten",
+            batch,
+            {c: [] for c in cols},
+            {},
+            gated=False,
+        )
         for sighting in sightings
     ]
     counter = itertools.count()
     for r in range(rounds):
         for col in cols if r % 2 == 0 else cols[::-1]:
             lists = [
-                [type(f"FreshLeaf{next(counter)}", (), {"__module__": __name__})() for _ in range(batch)]
+                [
+                    type(f"FreshLeaf{next(counter)}", (), {"__module__": __name__})()
+                    for _ in range(batch)
+                ]
                 for _ in range(5)
             ]
             for res in results:
                 res.rounds[col].append(measure(impls[col].tree_flatten, lists))
             del lists
-    results[0].note = f"per call, a list of {batch} instances of {batch} never-seen classes"
-    results[1].note = "the same lists flattened a second time (the patched pytree caches a class at its second sighting)"
+    results[
+        0
+    ].note = f"per call, a list of {batch} instances of {batch} never-seen classes"
+    results[
+        1
+    ].note = "the same lists flattened a second time (the patched pytree caches a class at its second sighting)"
     results[2].note = "the same lists a third time (cached)"
     return results
 
 
 def run_family_registration(
-    impls: dict[str, Any], rounds: int, reps: int, n_sub: int = 200, measure: Measure = _time_batch
+    impls: dict[str, Any],
+    rounds: int,
+    reps: int,
+    n_sub: int = 200,
+    measure: Measure = _time_batch,
 ) -> list[Result]:
     """Make a base with ``n_sub`` subclasses pytree nodes, then flatten one instance of each.
 
@@ -644,9 +716,21 @@ def run_family_registration(
         counter[0] += 1
         base = type(f"RegBase{counter[0]}", (SmallBase,), {"__module__": __name__})
         leaf_cls = dataclasses.dataclass(
-            type(f"RegLeaf{counter[0]}", (base,), {"__module__": __name__, "__annotations__": {"a": Any, "b": Any}, "a": None, "b": None})
+            type(
+                f"RegLeaf{counter[0]}",
+                (base,),
+                {
+                    "__module__": __name__,
+                    "__annotations__": {"a": Any, "b": Any},
+                    "a": None,
+                    "b": None,
+                },
+            )
         )
-        subs = [type(f"RegSub{counter[0]}_{i}", (leaf_cls,), {"__module__": __name__}) for i in range(n_sub)]
+        subs = [
+            type(f"RegSub{counter[0]}_{i}", (leaf_cls,), {"__module__": __name__})
+            for i in range(n_sub)
+        ]
         return base, subs, [c(a=t[0], b=t[1]) for c in subs]
 
     def patched_once() -> float:
@@ -658,7 +742,8 @@ def run_family_registration(
                 pytree.tree_flatten(o)
 
         cost = measure(work, [None])
-        assert len(pytree.tree_leaves(objs[0])) == 2
+        if len(pytree.tree_leaves(objs[0])) != 2:
+            raise RuntimeError("the family registration did not take effect")
         if hasattr(pytree, "_deregister_pytree_family"):
             pytree._deregister_pytree_family(base)
         return cost
@@ -675,7 +760,8 @@ def run_family_registration(
                 tf(o)
 
         cost = measure(work, [None])
-        assert len(stock.tree_leaves(objs[0])) == 2
+        if len(stock.tree_leaves(objs[0])) != 2:
+            raise RuntimeError("the exact registrations did not take effect")
         for c in subs:
             stock._deregister_pytree_node(c)
         return cost
@@ -683,8 +769,14 @@ def run_family_registration(
     fns = {"patched": patched_once}
     if stock is not None:
         fns["stock"] = stock_once
-    res = Result(f"register_family_{n_sub}_subclasses", "register+flatten", 2 * n_sub, {c: [] for c in fns}, {},
-                 gated=False)  # one-off cost, not the same operation in both columns: informational
+    res = Result(
+        f"register_family_{n_sub}_subclasses",
+        "register+flatten",
+        2 * n_sub,
+        {c: [] for c in fns},
+        {},
+        gated=False,
+    )  # one-off cost, not the same operation in both columns: informational
     res.skipped["cxx"] = "not measured"
     cols = list(fns)
     for r in range(rounds):
@@ -698,7 +790,9 @@ def run_family_registration(
 # instruction counts (--instructions)
 # ---------------------------------------------------------------------------
 
-CALLGRIND_ENV = "PYTREE_BENCH_CALLGRIND_OUT"  # set by the parent for its child under callgrind
+CALLGRIND_ENV = (
+    "PYTREE_BENCH_CALLGRIND_OUT"  # set by the parent for its child under callgrind
+)
 MAX_CALLS = 100_000
 WARMUP_CALLS = 20  # uncounted calls before the first measured region (at least n)
 
@@ -714,7 +808,9 @@ def _calls_for(ir_target: float, ir_per_call: float) -> int:
     return n
 
 
-def count_group(group: Group, op: str, cg: Callgrind, ir_target: float, rounds: int) -> Result:
+def count_group(
+    group: Group, op: str, cg: Callgrind, ir_target: float, rounds: int
+) -> Result:
     """Instructions per call of every member: (count of ``timeit(n)`` - count of ``timeit(0)``) / n.
 
     The statements are those the time mode times, run by ``timeit.Timer`` (GC off), so the loop
@@ -732,7 +828,9 @@ def count_group(group: Group, op: str, cg: Callgrind, ir_target: float, rounds: 
         one = cg.count(functools.partial(t.timeit, 1), f"{tag} x1")
         est[col] = max(one - cg.count(functools.partial(t.timeit, 0), f"{tag} x0"), 1)
     n = _calls_for(ir_target, max(est.values())) if est else 1
-    res = Result(group.case, op, group.leaves, {c: [] for c, _ in timers}, skipped, calls=n)
+    res = Result(
+        group.case, op, group.leaves, {c: [] for c, _ in timers}, skipped, calls=n
+    )
     base: dict[str, int] = {}
     for r in range(rounds):
         for col, t in timers if r % 2 == 0 else timers[::-1]:
@@ -755,27 +853,40 @@ def instruction_child(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     cg.start()
     overhead = [cg.count(lambda: None, "empty region") for _ in range(3)]
-    print(f"  callgrind: instrumentation on; target {ir_target:.0e} instructions per region", flush=True)
+    print(
+        f"  callgrind: instrumentation on; target {ir_target:.0e} instructions per region",
+        flush=True,
+    )
     rows: list[dict[str, Any]] = []
     for g in groups:
         for op in g.ops:
             res = count_group(g, op, cg, ir_target, args.ir_rounds)
             rows.extend(rows_from_result(res, g.family_row, instructions=True))
-            print(f"  {g.case:<36} {op:<24} x{res.calls:<6} " + "  ".join(
-                f"{c}={_median(v):,.0f}" for c, v in res.rounds.items()), flush=True)
-    if HAS_FAMILY and (not args.cases or "family" in args.cases or "first_seen" in args.cases):
+            print(
+                f"  {g.case:<36} {op:<24} x{res.calls:<6} "
+                + "  ".join(f"{c}={_median(v):,.0f}" for c, v in res.rounds.items()),
+                flush=True,
+            )
+    if HAS_FAMILY and (
+        not args.cases or "family" in args.cases or "first_seen" in args.cases
+    ):
         batch = 20 if args.quick else 50
         first_seen = run_family_first_seen(impls, args.ir_rounds, batch, cg.per_call)
         first_seen += run_first_seen_classes(impls, args.ir_rounds, batch, cg.per_call)
-        registration = run_family_registration(impls, args.ir_rounds, 1, measure=cg.per_call)
+        registration = run_family_registration(
+            impls, args.ir_rounds, 1, measure=cg.per_call
+        )
         for res in first_seen:
             res.calls = batch
         for res in registration:
             res.calls = 1  # the whole operation once
         for res in first_seen + registration:
             rows.extend(rows_from_result(res, None, instructions=True))
-            print(f"  {res.case:<36} {res.op:<24} " + "  ".join(
-                f"{c}={_median(v):,.0f}" for c, v in res.rounds.items()), flush=True)
+            print(
+                f"  {res.case:<36} {res.op:<24} "
+                + "  ".join(f"{c}={_median(v):,.0f}" for c, v in res.rounds.items()),
+                flush=True,
+            )
     info = {
         "ir_target": ir_target,
         "ir_rounds": args.ir_rounds,
@@ -793,15 +904,27 @@ def run_instructions(args: argparse.Namespace, argv: list[str]) -> dict[str, Any
     """Run this script with the same arguments under callgrind and return what it counted."""
     valgrind = shutil.which("valgrind")
     if valgrind is None:
-        raise SystemExit("--instructions needs valgrind on PATH (e.g. apt-get install valgrind)")
+        raise SystemExit(
+            "--instructions needs valgrind on PATH (e.g. apt-get install valgrind)"
+        )
     out_dir = args.callgrind_dir or tempfile.mkdtemp(prefix="pytree_bench_callgrind_")
     os.makedirs(out_dir, exist_ok=True)
     out = os.path.join(out_dir, "callgrind.out")
-    cmd = [valgrind, *CALLGRIND_OPTIONS, f"--callgrind-out-file={out}", sys.executable,
-           os.path.abspath(__file__), *argv]
+    cmd = [
+        valgrind,
+        *CALLGRIND_OPTIONS,
+        f"--callgrind-out-file={out}",
+        sys.executable,
+        os.path.abspath(__file__),
+        *argv,
+    ]
     env = {**os.environ, CALLGRIND_ENV: out}
-    env.setdefault("PYTHONHASHSEED", "0")  # same dict/set layouts in every run: repeatable counts
-    version = subprocess.run([valgrind, "--version"], capture_output=True, text=True, check=True).stdout.strip()
+    env.setdefault(
+        "PYTHONHASHSEED", "0"
+    )  # same dict/set layouts in every run: repeatable counts
+    version = subprocess.run(
+        [valgrind, "--version"], capture_output=True, text=True, check=True
+    ).stdout.strip()
     print(f"\n# instruction counts ({version}): {' '.join(cmd)}", flush=True)
     t0 = time.perf_counter()
     rc = subprocess.call(cmd, env=env)
@@ -831,7 +954,9 @@ def _paired(a: list[float], b: list[float]) -> float | None:
     return statistics.median(x / y for x, y in zip(a, b))
 
 
-def rows_from_result(res: Result, family_row: str | None, instructions: bool = False) -> list[dict[str, Any]]:
+def rows_from_result(
+    res: Result, family_row: str | None, instructions: bool = False
+) -> list[dict[str, Any]]:
     """Output rows of a Result: per-round values in s (time) or instructions per call."""
     key, scale = ("ir_per_call", 1.0) if instructions else ("median_us", 1e6)
 
@@ -840,7 +965,9 @@ def rows_from_result(res: Result, family_row: str | None, instructions: bool = F
             return res.rounds.get(cols.get(c, ""), [])
 
         p, s, x = get("patched"), get("stock"), get("cxx")
-        med = {c: _median(get(c)) * scale for c in ("stock", "patched", "cxx") if get(c)}
+        med = {
+            c: _median(get(c)) * scale for c in ("stock", "patched", "cxx") if get(c)
+        }
         d = {
             "case": case,
             "op": res.op,
@@ -848,16 +975,22 @@ def rows_from_result(res: Result, family_row: str | None, instructions: bool = F
             key: med,
             "columns": cols,
             ("rounds_ir" if instructions else "rounds_us"): {
-                c: [v * scale for v in get(c)] for c in ("stock", "patched", "cxx") if get(c)
+                c: [v * scale for v in get(c)]
+                for c in ("stock", "patched", "cxx")
+                if get(c)
             },
             "patched_over_stock": _paired(p, s),
             "patched_over_cxx": _paired(p, x),
         }
         if instructions:
             d["calls"] = res.calls
-            d["ir_per_leaf_patched"] = (med["patched"] / res.leaves) if "patched" in med else None
+            d["ir_per_leaf_patched"] = (
+                (med["patched"] / res.leaves) if "patched" in med else None
+            )
         else:
-            d["ns_per_leaf_patched"] = (med["patched"] * 1e3 / res.leaves) if "patched" in med else None
+            d["ns_per_leaf_patched"] = (
+                (med["patched"] * 1e3 / res.leaves) if "patched" in med else None
+            )
         d.update(
             skipped={c: res.skipped[v] for c, v in cols.items() if v in res.skipped},
             gated=gated,
@@ -865,12 +998,30 @@ def rows_from_result(res: Result, family_row: str | None, instructions: bool = F
         )
         return d
 
-    out = [row(res.case, {"stock": "stock", "patched": "patched", "cxx": "cxx"}, res.gated, res.note)]
+    out = [
+        row(
+            res.case,
+            {"stock": "stock", "patched": "patched", "cxx": "cxx"},
+            res.gated,
+            res.note,
+        )
+    ]
     if family_row:
-        fam_cols = {"stock": "stock", "patched": "patched[family]", "cxx": "cxx[family]"}
+        fam_cols = {
+            "stock": "stock",
+            "patched": "patched[family]",
+            "cxx": "cxx[family]",
+        }
         if "patched[family]" in res.rounds:
-            r = row(family_row, fam_cols, True, "stock = exact registration (stock has no family)")
-            r["family_over_exact"] = _paired(res.rounds["patched[family]"], res.rounds.get("patched", []))
+            r = row(
+                family_row,
+                fam_cols,
+                True,
+                "stock = exact registration (stock has no family)",
+            )
+            r["family_over_exact"] = _paired(
+                res.rounds["patched[family]"], res.rounds.get("patched", [])
+            )
             out.append(r)
         else:
             out.append(
@@ -879,7 +1030,11 @@ def rows_from_result(res: Result, family_row: str | None, instructions: bool = F
                     "op": res.op,
                     "leaves": res.leaves,
                     key: {},
-                    "skipped": {"patched": res.skipped.get("patched[family]", "no register_pytree_family")},
+                    "skipped": {
+                        "patched": res.skipped.get(
+                            "patched[family]", "no register_pytree_family"
+                        )
+                    },
                     "gated": False,
                     "note": "skipped",
                 }
@@ -930,7 +1085,10 @@ def format_table(rows: list[dict[str, Any]], instructions: bool = False) -> str:
     for r in rows:
         med = _values(r)
         if not med:
-            lines.append(f"| {r['case']} | {r['op']} | {r['leaves']} | skipped: {r.get('skipped')} |" + " |" * (n_cols - 4))
+            lines.append(
+                f"| {r['case']} | {r['op']} | {r['leaves']} | skipped: {r.get('skipped')} |"
+                + " |" * (n_cols - 4)
+            )
             continue
         npl = r.get(per_leaf)
         p_s = _fmt_ratio(r.get("patched_over_stock"))
@@ -977,11 +1135,21 @@ def ir_scaling(ir_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     by_case = {(r["case"], r["op"]): _values(r) for r in ir_rows}
     out = []
     for op in SCALING_OPS:
-        small, big = by_case.get(("list_1000", op), {}), by_case.get(("list_10000", op), {})
+        small, big = (
+            by_case.get(("list_1000", op), {}),
+            by_case.get(("list_10000", op), {}),
+        )
         for impl in ("stock", "patched", "cxx"):
             if small.get(impl) and big.get(impl):
-                out.append({"op": op, "impl": impl, "ir10k_over_ir1k": big[impl] / small[impl],
-                            "ir_per_leaf_1k": small[impl] / 1000, "ir_per_leaf_10k": big[impl] / 10000})
+                out.append(
+                    {
+                        "op": op,
+                        "impl": impl,
+                        "ir10k_over_ir1k": big[impl] / small[impl],
+                        "ir_per_leaf_1k": small[impl] / 1000,
+                        "ir_per_leaf_10k": big[impl] / 10000,
+                    }
+                )
     return out
 
 
@@ -991,9 +1159,15 @@ def scaling(results: list[Result]) -> list[dict[str, Any]]:
         for impl in ("stock", "patched", "cxx"):
             t1, t10 = res.rounds.get(f"{impl}@1k"), res.rounds.get(f"{impl}@10k")
             if t1 and t10:
-                out.append({"op": res.op, "impl": impl, "t10k_over_t1k": _paired(t10, t1),
-                            "ns_per_leaf_1k": _median(t1) * 1e9 / 1000,
-                            "ns_per_leaf_10k": _median(t10) * 1e9 / 10000})
+                out.append(
+                    {
+                        "op": res.op,
+                        "impl": impl,
+                        "t10k_over_t1k": _paired(t10, t1),
+                        "ns_per_leaf_1k": _median(t1) * 1e9 / 1000,
+                        "ns_per_leaf_10k": _median(t10) * 1e9 / 10000,
+                    }
+                )
     return out
 
 
@@ -1002,7 +1176,7 @@ def _pkg_version(name: str) -> str:
         import importlib.metadata as md
 
         return md.version(name)
-    except Exception:  # noqa: BLE001
+    except Exception:
         return "not installed"
 
 
@@ -1041,24 +1215,35 @@ def machine_header(args: argparse.Namespace) -> dict[str, Any]:
     }
     if args.baseline:
         h["baseline_sha256"] = _sha256(args.baseline)
-        h["patched_source_identical_to_baseline"] = _sha256(pytree.__file__) == h["baseline_sha256"]
+        h["patched_source_identical_to_baseline"] = (
+            _sha256(pytree.__file__) == h["baseline_sha256"]
+        )
     return h
 
 
-def plot(rows: list[dict[str, Any]], path: str, key: str = "median_us", ylabel: str = "median µs per call") -> None:
+def plot(
+    rows: list[dict[str, Any]],
+    path: str,
+    key: str = "median_us",
+    ylabel: str = "median µs per call",
+) -> None:
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print(f"--plot: matplotlib is not installed (pip install matplotlib); {path} not written")
+        print(
+            f"--plot: matplotlib is not installed (pip install matplotlib); {path} not written"
+        )
         return
     ops = ["tree_flatten", "tree_unflatten", "tree_map", "tree_leaves"]
     fig, axes = plt.subplots(1, len(ops), figsize=(4 * len(ops), 3.6), squeeze=False)
     for ax, op in zip(axes[0], ops):
         pts = sorted(
-            (r["leaves"], r) for r in rows if r["case"].startswith("list_") and r["op"] == op
+            (r["leaves"], r)
+            for r in rows
+            if r["case"].startswith("list_") and r["op"] == op
         )
         for impl in ("stock", "patched", "cxx"):
             xs = [n for n, r in pts if impl in r.get(key, {})]
@@ -1086,21 +1271,44 @@ def build_groups(args: argparse.Namespace, impls: dict[str, Any]) -> list[Group]
     list_ns = (10, 1000) if args.quick else (10, 100, 1000, 10000)
     dict_ns = (100,) if args.quick else (10, 100, 1000)
     # --quick: the (ms-long, noisy) treespec (de)serialization only on the small cases
-    big_ops = tuple(op for op in OPS if not op.startswith("treespec_")) if args.quick else OPS
+    big_ops = (
+        tuple(op for op in OPS if not op.startswith("treespec_")) if args.quick else OPS
+    )
     for n in list_ns:
-        groups.append(Group(f"list_{n}", n, std_variants(impls, case_list(n)), OPS if n <= 100 else big_ops))
+        groups.append(
+            Group(
+                f"list_{n}",
+                n,
+                std_variants(impls, case_list(n)),
+                OPS if n <= 100 else big_ops,
+            )
+        )
     for n in dict_ns:
         groups.append(Group(f"dict_{n}", n, std_variants(impls, case_dict(n)), big_ops))
-    groups.append(Group("nested_100x{a,b:(2),c:[3]}", 600, std_variants(impls, case_nested()), big_ops))
+    groups.append(
+        Group(
+            "nested_100x{a,b:(2),c:[3]}",
+            600,
+            std_variants(impls, case_nested()),
+            big_ops,
+        )
+    )
     if stock is not None:
         register_exact(stock, HFLikeOutputExact)
     register_exact(pytree, HFLikeOutputExact)  # also registers with _cxx_pytree
     groups.append(build_hf_like(impls))
     if not args.quick:
         groups.extend(build_transformers(impls, stock))
-    groups.append(Group("deep_chain_200", 1, std_variants(impls, case_deep(200)), big_ops))
     groups.append(
-        Group("single_leaf", 1, std_variants(impls, torch.zeros(())), ("tree_is_leaf", "tree_flatten", "tree_map"))
+        Group("deep_chain_200", 1, std_variants(impls, case_deep(200)), big_ops)
+    )
+    groups.append(
+        Group(
+            "single_leaf",
+            1,
+            std_variants(impls, torch.zeros(())),
+            ("tree_is_leaf", "tree_flatten", "tree_map"),
+        )
     )
     if args.cases:
         groups = [g for g in groups if re.search(args.cases, g.case)]
@@ -1110,8 +1318,11 @@ def build_groups(args: argparse.Namespace, impls: dict[str, Any]) -> list[Group]
 def run_group_and_report(group: Group, op: str, args: argparse.Namespace) -> Result:
     """``run_group`` with the run's settings, printing one progress line (median µs per member)."""
     res = run_group(group, op, args.rounds, args.block_time, args.blocks)
-    print(f"  {group.case:<36} {op:<24} " + "  ".join(
-        f"{c}={_median(v) * 1e6:.2f}µs" for c, v in res.rounds.items()), flush=True)
+    print(
+        f"  {group.case:<36} {op:<24} "
+        + "  ".join(f"{c}={_median(v) * 1e6:.2f}µs" for c, v in res.rounds.items()),
+        flush=True,
+    )
     return res
 
 
@@ -1125,28 +1336,48 @@ def make_impls(args: argparse.Namespace) -> dict[str, Any]:
     return impls
 
 
-def print_tables(rows: list[dict[str, Any]], sc: list[dict[str, Any]], instructions: bool) -> None:
+def print_tables(
+    rows: list[dict[str, Any]], sc: list[dict[str, Any]], instructions: bool
+) -> None:
     """The results table, the flat-list scaling and family/exact tables of one mode."""
     if instructions:
-        print("\n## Instructions per call (callgrind Ir: (count of n calls - count of 0 calls) / n; "
-              "n = calls, fixed per case; ratios of counts)\n")
+        print(
+            "\n## Instructions per call (callgrind Ir: (count of n calls - count of 0 calls) / n; "
+            "n = calls, fixed per case; ratios of counts)\n"
+        )
     else:
-        print("\n## Results (µs per call: median over rounds of the fastest block per round; ratios paired per round)\n")
+        print(
+            "\n## Results (µs per call: median over rounds of the fastest block per round; ratios paired per round)\n"
+        )
     print(format_table(rows, instructions))
     if sc and instructions:
-        print("\n## Scaling, flat list: Ir(N=10000) / Ir(N=1000) per call (10 = linear)\n")
-        print("| op | impl | Ir(10k)/Ir(1k) | Ir/leaf @1k | Ir/leaf @10k |\n|---|---|---|---|---|")
+        print(
+            "\n## Scaling, flat list: Ir(N=10000) / Ir(N=1000) per call (10 = linear)\n"
+        )
+        print(
+            "| op | impl | Ir(10k)/Ir(1k) | Ir/leaf @1k | Ir/leaf @10k |\n|---|---|---|---|---|"
+        )
         for s in sc:
-            print(f"| {s['op']} | {s['impl']} | {s['ir10k_over_ir1k']:.2f} | {s['ir_per_leaf_1k']:.0f} | {s['ir_per_leaf_10k']:.0f} |")
+            print(
+                f"| {s['op']} | {s['impl']} | {s['ir10k_over_ir1k']:.2f} | {s['ir_per_leaf_1k']:.0f} | {s['ir_per_leaf_10k']:.0f} |"
+            )
     elif sc:
-        print("\n## Scaling, flat list: t(N=10000) / t(N=1000), paired per round (10 = linear)\n")
-        print("| op | impl | t(10k)/t(1k) | ns/leaf @1k | ns/leaf @10k |\n|---|---|---|---|---|")
+        print(
+            "\n## Scaling, flat list: t(N=10000) / t(N=1000), paired per round (10 = linear)\n"
+        )
+        print(
+            "| op | impl | t(10k)/t(1k) | ns/leaf @1k | ns/leaf @10k |\n|---|---|---|---|---|"
+        )
         for s in sc:
-            print(f"| {s['op']} | {s['impl']} | {s['t10k_over_t1k']:.2f} | {s['ns_per_leaf_1k']:.0f} | {s['ns_per_leaf_10k']:.0f} |")
+            print(
+                f"| {s['op']} | {s['impl']} | {s['t10k_over_t1k']:.2f} | {s['ns_per_leaf_1k']:.0f} | {s['ns_per_leaf_10k']:.0f} |"
+            )
     fam = [r for r in rows if r.get("family_over_exact") is not None]
     if fam:
         what = "instructions" if instructions else "paired"
-        print(f"\n## Family handler vs exact registration (patched python pytree, {what})\n")
+        print(
+            f"\n## Family handler vs exact registration (patched python pytree, {what})\n"
+        )
         print("| case | op | family/exact |\n|---|---|---|")
         for r in fam:
             print(f"| {r['case']} | {r['op']} | {r['family_over_exact']:.2f} |")
@@ -1154,32 +1385,79 @@ def print_tables(rows: list[dict[str, Any]], sc: list[dict[str, Any]], instructi
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--baseline", metavar="FILE", help="a stock torch/utils/_pytree.py (v2.13.0)")
-    parser.add_argument("--quick", action="store_true", help="CI smoke: few cases, small N (< 60 s)")
-    parser.add_argument("--check", type=float, metavar="RATIO",
-                        help="exit 1 listing every case whose paired patched/stock ratio > RATIO "
-                             "(with --instructions: also every instruction ratio)")
+    parser.add_argument(
+        "--baseline", metavar="FILE", help="a stock torch/utils/_pytree.py (v2.13.0)"
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="CI smoke: few cases, small N (< 60 s)"
+    )
+    parser.add_argument(
+        "--check",
+        type=float,
+        metavar="RATIO",
+        help="exit 1 listing every case whose paired patched/stock ratio > RATIO "
+        "(with --instructions: also every instruction ratio)",
+    )
     parser.add_argument("--json", metavar="PATH", help="write all results as JSON")
-    parser.add_argument("--plot", metavar="PATH", help="write a PNG of time (with --instructions only: instructions) vs N (needs matplotlib)")
-    parser.add_argument("--rounds", type=int, help="round-robin rounds per (case, op) (default 40, quick 10)")
-    parser.add_argument("--block-time", type=float, default=0.001,
-                        help="target duration of one timed block, s (default 0.001)")
-    parser.add_argument("--blocks", type=int, default=5,
-                        help="blocks per implementation per round; the round value is the fastest (default 5)")
-    parser.add_argument("--cases", metavar="REGEX", help="only run cases whose name matches")
-    parser.add_argument("--no-compare", action="store_true", help="do not print torch.utils.benchmark.Compare tables")
-    parser.add_argument("--instructions", action="store_true",
-                        help="count instructions per call under valgrind's callgrind instead of timing "
-                             "(stock vs patched in one run under callgrind; stable on a loaded machine)")
-    parser.add_argument("--with-time", action="store_true",
-                        help="with --instructions: run the time mode too (first, natively) and report both")
-    parser.add_argument("--ir-target", type=float, metavar="N",
-                        help="instructions per measured region; calls per case = N / instructions of one call "
-                             "of its most expensive member, in 1-2-5 steps, >= 1 (default 1e7, quick 2e6)")
-    parser.add_argument("--ir-rounds", type=int, default=1,
-                        help="measured regions per implementation in instruction mode (default 1)")
-    parser.add_argument("--callgrind-dir", metavar="DIR",
-                        help="keep the callgrind dumps (one per region, for callgrind_annotate) in DIR")
+    parser.add_argument(
+        "--plot",
+        metavar="PATH",
+        help="write a PNG of time (with --instructions only: instructions) vs N (needs matplotlib)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        help="round-robin rounds per (case, op) (default 40, quick 10)",
+    )
+    parser.add_argument(
+        "--block-time",
+        type=float,
+        default=0.001,
+        help="target duration of one timed block, s (default 0.001)",
+    )
+    parser.add_argument(
+        "--blocks",
+        type=int,
+        default=5,
+        help="blocks per implementation per round; the round value is the fastest (default 5)",
+    )
+    parser.add_argument(
+        "--cases", metavar="REGEX", help="only run cases whose name matches"
+    )
+    parser.add_argument(
+        "--no-compare",
+        action="store_true",
+        help="do not print torch.utils.benchmark.Compare tables",
+    )
+    parser.add_argument(
+        "--instructions",
+        action="store_true",
+        help="count instructions per call under valgrind's callgrind instead of timing "
+        "(stock vs patched in one run under callgrind; stable on a loaded machine)",
+    )
+    parser.add_argument(
+        "--with-time",
+        action="store_true",
+        help="with --instructions: run the time mode too (first, natively) and report both",
+    )
+    parser.add_argument(
+        "--ir-target",
+        type=float,
+        metavar="N",
+        help="instructions per measured region; calls per case = N / instructions of one call "
+        "of its most expensive member, in 1-2-5 steps, >= 1 (default 1e7, quick 2e6)",
+    )
+    parser.add_argument(
+        "--ir-rounds",
+        type=int,
+        default=1,
+        help="measured regions per implementation in instruction mode (default 1)",
+    )
+    parser.add_argument(
+        "--callgrind-dir",
+        metavar="DIR",
+        help="keep the callgrind dumps (one per region, for callgrind_annotate) in DIR",
+    )
     args = parser.parse_args(argv)
     if args.check is not None and not args.baseline:
         parser.error("--check needs --baseline (the ratios are patched/stock)")
@@ -1190,7 +1468,9 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get(CALLGRIND_ENV):
         return instruction_child(args)
     if args.instructions and shutil.which("valgrind") is None:
-        parser.error("--instructions needs valgrind on PATH (e.g. apt-get install valgrind)")
+        parser.error(
+            "--instructions needs valgrind on PATH (e.g. apt-get install valgrind)"
+        )
     args.rounds = args.rounds or (10 if args.quick else 40)
     timed = not args.instructions or args.with_time
 
@@ -1204,7 +1484,9 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in header.items():
         print(f"- {k}: {v}")
     if not HAS_FAMILY:
-        print("- note: torch.utils._pytree has no register_pytree_family; family cases skipped")
+        print(
+            "- note: torch.utils._pytree has no register_pytree_family; family cases skipped"
+        )
 
     results: list[Result] = []
     rows: list[dict[str, Any]] = []
@@ -1216,17 +1498,27 @@ def main(argv: list[str] | None = None) -> int:
                 res = run_group_and_report(g, op, args)
                 results.append(res)
                 rows.extend(rows_from_result(res, g.family_row))
-        if HAS_FAMILY and (not args.cases or "family" in args.cases or "first_seen" in args.cases):
-            for res in run_family_first_seen(impls, args.rounds, batch=20 if args.quick else 50):
+        if HAS_FAMILY and (
+            not args.cases or "family" in args.cases or "first_seen" in args.cases
+        ):
+            for res in run_family_first_seen(
+                impls, args.rounds, batch=20 if args.quick else 50
+            ):
                 results.append(res)
                 rows.extend(rows_from_result(res, None))
-            for res in run_first_seen_classes(impls, args.rounds, batch=20 if args.quick else 50):
+            for res in run_first_seen_classes(
+                impls, args.rounds, batch=20 if args.quick else 50
+            ):
                 results.append(res)
                 rows.extend(rows_from_result(res, None))
-            for res in run_family_registration(impls, args.rounds, reps=1 if args.quick else 3):
+            for res in run_family_registration(
+                impls, args.rounds, reps=1 if args.quick else 3
+            ):
                 results.append(res)
                 rows.extend(rows_from_result(res, None))
-        if not args.quick and (not args.cases or re.search(args.cases, "scaling_list_1k_10k")):
+        if not args.quick and (
+            not args.cases or re.search(args.cases, "scaling_list_1k_10k")
+        ):
             sg = build_scaling_group(impls)
             for op in sg.ops:
                 scaling_results.append(run_group_and_report(sg, op, args))
@@ -1238,7 +1530,9 @@ def main(argv: list[str] | None = None) -> int:
         by_case = {(r["case"], r["op"]): r for r in ir_rows}
         for r in rows:
             if (r["case"], r["op"]) in by_case:
-                r["ir_patched_over_stock"] = by_case[(r["case"], r["op"])].get("patched_over_stock")
+                r["ir_patched_over_stock"] = by_case[(r["case"], r["op"])].get(
+                    "patched_over_stock"
+                )
     header["loadavg_after"] = os.getloadavg() if hasattr(os, "getloadavg") else None
     header["total_seconds"] = round(time.perf_counter() - t_start, 1)
 
@@ -1254,20 +1548,28 @@ def main(argv: list[str] | None = None) -> int:
     if ir_rows:
         print_tables(ir_rows, ir_sc, instructions=True)
     report_rows = rows or ir_rows
-    notes = dict.fromkeys((r["case"], r["note"]) for r in report_rows if r.get("note") and _values(r))
+    notes = dict.fromkeys(
+        (r["case"], r["note"]) for r in report_rows if r.get("note") and _values(r)
+    )
     if notes:
         print("\nNotes:")
         for case, note in notes:
             print(f"- {case}: {note}")
-    skipped = [(r["case"], r["op"], r["skipped"]) for r in report_rows if r.get("skipped")]
+    skipped = [
+        (r["case"], r["op"], r["skipped"]) for r in report_rows if r.get("skipped")
+    ]
     if skipped:
         print("\nNot timed (n/a):" if rows else "\nNot counted (n/a):")
         for case, op, why in skipped:
             print(f"- {case} / {op}: {why}")
     if args.instructions:
         info = header["instructions"]
-        print(f"\ninstruction counts: {info['regions']} callgrind regions, {info['seconds']} s under callgrind")
-    print(f"\nloadavg after: {header['loadavg_after']}; total {header['total_seconds']} s")
+        print(
+            f"\ninstruction counts: {info['regions']} callgrind regions, {info['seconds']} s under callgrind"
+        )
+    print(
+        f"\nloadavg after: {header['loadavg_after']}; total {header['total_seconds']} s"
+    )
 
     if args.json:
         out = {"header": header, "rows": rows, "scaling": sc}
@@ -1284,12 +1586,17 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.check is not None:
         bad = [
-            (r, kind) for kind, rs in (("", rows), (" (instructions)", ir_rows)) for r in rs
-            if r.get("gated", True) and r.get("patched_over_stock") is not None
+            (r, kind)
+            for kind, rs in (("", rows), (" (instructions)", ir_rows))
+            for r in rs
+            if r.get("gated", True)
+            and r.get("patched_over_stock") is not None
             and r["patched_over_stock"] > args.check
         ]
         if bad:
-            print(f"\nCHECK FAILED: {len(bad)} case(s) with patched/stock > {args.check}:")
+            print(
+                f"\nCHECK FAILED: {len(bad)} case(s) with patched/stock > {args.check}:"
+            )
             for r, kind in bad:
                 print(f"  {r['case']} / {r['op']}{kind}: {r['patched_over_stock']:.3f}")
             return 1
