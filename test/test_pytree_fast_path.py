@@ -235,7 +235,9 @@ TreeSpec(dict, ['a', 'b'], [TreeSpec(list, None, [*,
         member, exact = Member(1), Exact()
         self.assertEqual(py_pytree.tree_leaves([member, exact]), [member, exact])
         py_pytree.register_pytree_family(Base)
-        py_pytree.register_pytree_node(Exact, lambda e: ([2], None), lambda v, _: Exact())
+        py_pytree.register_pytree_node(
+            Exact, lambda e: ([2], None), lambda v, _: Exact()
+        )
         try:
             self.assertEqual(py_pytree.tree_leaves([member, exact]), [1, 2])
             self.assertFalse(py_pytree.tree_is_leaf(member))
