@@ -1,4 +1,4 @@
-"""Test matrix: `nox` runs all three sessions (see README.md, command 2).
+"""Test matrix: `nox` runs all four sessions (see README.md, command 2).
 
 Each session installs this package with its test extras into a fresh venv (.nox/<session>),
 applies the patch series to that venv's torch with `torch-patch apply` (a no-op when the
@@ -8,8 +8,9 @@ session is reused), then runs the whole suite.  Arguments after `--` replace the
 
 import nox
 
+
 nox.options.default_venv_backend = "venv"  # never uv: it would fetch CUDA torch wheels
-nox.options.sessions = ["tests-latest", "tests-hf431", "tests-hf446"]
+nox.options.sessions = ["tests-latest", "tests-hf431", "tests-hf446", "tests-ci-pins"]
 nox.options.error_on_missing_interpreters = True
 
 
@@ -18,8 +19,9 @@ def _run_suite(
     *extra_requirements: str,
     hypothesis_profile: str,
     default_tests: tuple[str, ...] = ("test",),
-) -> None:
-    session.install("-e", ".[test]", *extra_requirements)
+    extras: str = "test",
+) -> dict[str, str]:
+    session.install("-e", f".[{extras}]", *extra_requirements)
     session.run("torch-patch", "apply")
     session.run("torch-patch", "status")
     env = {
@@ -31,6 +33,7 @@ def _run_suite(
     session.run(
         "python", "-m", "pytest", "-q", *(session.posargs or default_tests), env=env
     )
+    return env
 
 
 @nox.session(name="tests-latest")
@@ -69,4 +72,42 @@ def tests_hf446(session: nox.Session) -> None:
             "test/test_pytree_family.py",
             "test/test_pytree_fast_path.py",
         ),
+    )
+
+
+# The test files that PyTorch's CI also runs under PYTORCH_TEST_WITH_DYNAMO=1.
+_DYNAMO_WRAPPED_TESTS = (
+    "test/test_pytree_family.py",
+    "test/test_pytree_fast_path.py",
+    "test/test_pytree_hypothesis.py",
+    "test/dynamo/test_member_descriptor.py",
+)
+
+
+@nox.session(name="tests-ci-pins")
+def tests_ci_pins(session: nox.Session) -> None:
+    """The test dependencies pinned as in PyTorch's CI, without transformers and diffusers.
+
+    hypothesis 6.56.4, optree 0.13.0, pytest 7.3.2 and numpy 1.26.2; the
+    transformers-dependent cases skip, everything else runs, with upstream's
+    hypothesis budget.  Then the pytree test files once more with
+    PYTORCH_TEST_WITH_DYNAMO=1, as PyTorch's dynamo-wrapped CI shards run them
+    (arguments after `--` replace `test` in the first run only).
+    """
+    env = _run_suite(
+        session,
+        "hypothesis==6.56.4",
+        "optree==0.13.0",
+        "pytest==7.3.2",
+        "numpy==1.26.2",
+        extras="test-core",
+        hypothesis_profile="pytree-default",
+    )
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        "-q",
+        *_DYNAMO_WRAPPED_TESTS,
+        env={**env, "PYTORCH_TEST_WITH_DYNAMO": "1"},
     )

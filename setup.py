@@ -1,5 +1,18 @@
 from setuptools import setup
 
+
+_TEST_CORE = [
+    "pytest",
+    "expecttest",
+    "hypothesis",
+    "optree",
+    "numpy",
+    # test/onnx and the demo: torch.onnx.export(dynamo=True), onnxruntime
+    "onnx",
+    "onnxscript",
+    "onnxruntime",
+]
+
 setup(
     name="torch_patch",
     version="0.1.0",
@@ -12,18 +25,10 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch==2.13.0"],
     extras_require={
-        "test": [
-            "pytest",
-            "expecttest",
-            "hypothesis",
-            "transformers",
-            "optree",
-            "numpy",
-            # test/onnx and the demo: torch.onnx.export(dynamo=True), onnxruntime
-            "onnx",
-            "onnxscript",
-            "onnxruntime",
-        ],
+        # everything the tests need but transformers and diffusers, as in
+        # PyTorch's CI (nox -s tests-ci-pins)
+        "test-core": _TEST_CORE,
+        "test": _TEST_CORE + ["transformers"],
         "bench": ["matplotlib"],
     },
     entry_points={"console_scripts": ["torch-patch = torch_patch.cli:main"]},
