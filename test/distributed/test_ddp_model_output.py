@@ -1,250 +1,363 @@
 # Owner(s): ["oncall: distributed"]
-"""DistributedDataParallel(static_graph=True) on a module returning a HuggingFace ``ModelOutput``.
+"""DistributedDataParallel on modules that return pytree-family output objects.
 
-With ``static_graph=True`` DDP flattens the module's output with pytree and routes every output tensor through
-``_DDPSink``, whose backward triggers the delayed all-reduce of the first iteration. If the output class is a pytree
-leaf (stock torch + transformers 4.31.0, which does not register its outputs), the tensors inside bypass the sink and
-gradients silently stay unsynchronized. The ``transformers.utils.generic:ModelOutput`` family fixes this.
+DDP flattens a module's output with pytree: with ``static_graph=True`` (first
+iteration) and with ``find_unused_parameters=True`` it routes every output tensor
+through ``_DDPSink``. An output class that is a pytree leaf hides its tensors from
+the sink: with ``static_graph=True`` the delayed all-reduce of the first iteration
+is never queued and the ranks' gradients silently differ; with
+``find_unused_parameters=True`` an output tensor left out of the loss makes the
+reduction of its parameters never finish. Registering the output classes as a
+pytree family (``register_pytree_family``) fixes both.
 
-The test starts two gloo ranks on localhost itself (plain subprocesses) and compares their gradients with a
-single-process reference.
+The stand-in classes below behave like HuggingFace's ``ModelOutput`` and KV caches
+where it matters, so the tests need only torch; the tests with the real
+transformers classes skip without it. Each rank compares its gradients with a
+single-process reference that sees the inputs of every rank.
 """
 
-import json
-import os
-import socket
-import subprocess
+import dataclasses
+import importlib.util
 import sys
-import tempfile
-import textwrap
 import unittest
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.testing._internal.common_utils import TestCase, run_tests
+
+
+if not dist.is_available():
+    print("Distributed not available, skipping tests", file=sys.stderr)
+    sys.exit(0)
+
+import torch.utils._pytree as pytree
+from torch.nn.parallel import DistributedDataParallel
+from torch.testing._internal.common_distributed import (
+    MultiProcessTestCase,
+    requires_gloo,
+)
+from torch.testing._internal.common_utils import run_tests
+
 
 try:
-    import transformers  # noqa: F401
+    import transformers
 
     HAS_TRANSFORMERS = True
 except ImportError:
     HAS_TRANSFORMERS = False
-try:
-    import transformers.cache_utils  # noqa: F401
 
-    HAS_CACHE_UTILS = True
-except ImportError:
-    HAS_CACHE_UTILS = False
-
-
-WORLD_SIZE = 2
-ITERATIONS = 3
-
-# Shared by the ranks and the single-process reference.
-MODEL_SRC = textwrap.dedent(
-    """
-    import torch
-    from transformers.modeling_outputs import BaseModelOutputWithPooling
-
-
-    class Net(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.body = torch.nn.Linear(8, 16)
-            self.mid = torch.nn.Linear(16, 16)
-            self.head = torch.nn.Linear(16, 4)
-
-        def forward(self, x):
-            h0 = torch.tanh(self.body(x))
-            h1 = torch.tanh(self.mid(h0))
-            # attentions stays None (not a key); hidden_states is a nested tuple
-            return BaseModelOutputWithPooling(last_hidden_state=h1, pooler_output=self.head(h1), hidden_states=(h0, h1))
-
-
-    def loss_fn(out):
-        return out.pooler_output.square().mean() + out.hidden_states[0].mean() + out["last_hidden_state"].abs().mean()
-
-
-    def make_model():
-        torch.manual_seed(0)
-        return Net()
-
-
-    def make_inputs(world_size, iterations):
-        g = torch.Generator().manual_seed(1)
-        return torch.randn(iterations, world_size, 3, 8, generator=g)
-    """
+# transformers 4.31 has no caches (without importing the module: it is slow)
+HAS_CACHE_UTILS = (
+    HAS_TRANSFORMERS and importlib.util.find_spec("transformers.cache_utils") is not None
 )
 
-# A tiny Llama whose output carries a DynamicCache (an nn.Module in
-# transformers 4.36 to 4.5x); the loss uses the cache tensors too, so their
-# gradients must flow through DDP's handling of the output.
-LLAMA_MODEL_SRC = textwrap.dedent(
-    """
-    import torch
-    import torch.utils._pytree as pytree
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from transformers.cache_utils import DynamicCache
+ITERATIONS = 3
+DIM = 8
 
 
-    class Net(torch.nn.Module):
-        def __init__(self):
+class OutputLike(OrderedDict):
+    """Like transformers' ``ModelOutput``: non-None fields are the keys."""
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if value is not None:
+                self[field.name] = value
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        super().__setitem__(key, value)
+        super().__setattr__(key, value)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self.keys() and value is not None:
+            super().__setitem__(name, value)
+        super().__setattr__(name, value)
+
+
+@dataclasses.dataclass
+class EncoderOutputLike(OutputLike):
+    last_hidden_state: torch.Tensor | None = None
+    pooler_output: torch.Tensor | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    attentions: tuple[torch.Tensor, ...] | None = None
+
+
+@dataclasses.dataclass
+class LMOutputLike(OutputLike):
+    logits: torch.Tensor | None = None
+    aux_logits: torch.Tensor | None = None
+    past_key_values: "CacheLike | None" = None
+
+
+class CacheLike:
+    """Like a transformers KV cache: a plain base with dataclass members."""
+
+
+@dataclasses.dataclass
+class DynamicCacheLike(CacheLike):
+    keys: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    values: list[torch.Tensor] = dataclasses.field(default_factory=list)
+
+
+class Encoder(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Linear(DIM, 16)
+        self.mid = torch.nn.Linear(16, 16)
+        self.head = torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> EncoderOutputLike:
+        h0 = torch.tanh(self.body(x))
+        h1 = torch.tanh(self.mid(h0))
+        # attentions stays None (not a key); hidden_states is a nested tuple
+        return EncoderOutputLike(
+            last_hidden_state=h1, pooler_output=self.head(h1), hidden_states=(h0, h1)
+        )
+
+
+def encoder_loss(out: EncoderOutputLike) -> torch.Tensor:
+    return (
+        out.pooler_output.square().mean()
+        + out.hidden_states[0].mean()
+        + out["last_hidden_state"].abs().mean()
+    )
+
+
+class TwoHeads(torch.nn.Module):
+    """The loss uses ``logits`` only: ``aux_head`` is unused."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = torch.nn.Linear(DIM, 16)
+        self.head = torch.nn.Linear(16, 4)
+        self.aux_head = torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> LMOutputLike:
+        h = torch.relu(self.trunk(x))
+        return LMOutputLike(logits=self.head(h), aux_logits=self.aux_head(h))
+
+
+def logits_loss(out: Any) -> torch.Tensor:
+    return out.logits.square().mean()
+
+
+class Decoder(torch.nn.Module):
+    """Returns its keys and values in a cache, as a decoder with use_cache does."""
+
+    def __init__(self, layers: int = 2) -> None:
+        super().__init__()
+        self.q = torch.nn.ModuleList(torch.nn.Linear(DIM, DIM) for _ in range(layers))
+        self.k = torch.nn.ModuleList(torch.nn.Linear(DIM, DIM) for _ in range(layers))
+        self.v = torch.nn.ModuleList(torch.nn.Linear(DIM, DIM) for _ in range(layers))
+        self.head = torch.nn.Linear(DIM, 4)
+
+    def forward(self, h: torch.Tensor) -> LMOutputLike:
+        cache = DynamicCacheLike()
+        for q, k, v in zip(self.q, self.k, self.v):
+            keys, values = k(h), v(h)
+            cache.keys.append(keys)
+            cache.values.append(values)
+            attention = torch.softmax(q(h) @ keys.transpose(-1, -2), dim=-1)
+            h = h + attention @ values
+        return LMOutputLike(logits=self.head(h), past_key_values=cache)
+
+
+def cache_loss(out: LMOutputLike) -> torch.Tensor:
+    cache = out.past_key_values
+    return logits_loss(out) + sum(t.mean() for t in cache.keys + cache.values)
+
+
+if HAS_TRANSFORMERS:
+
+    class BertLikeEncoder(Encoder):
+        """``Encoder`` returning transformers' own output class."""
+
+        def forward(self, x: torch.Tensor) -> Any:
+            from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+            out = super().forward(x)
+            return BaseModelOutputWithPooling(**out)
+
+    class TinyLlama(torch.nn.Module):
+        """A tiny Llama whose output carries a ``DynamicCache``."""
+
+        def __init__(self) -> None:
             super().__init__()
-            config = LlamaConfig(
-                vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+            config = transformers.LlamaConfig(
+                vocab_size=64,
+                hidden_size=16,
+                intermediate_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                max_position_embeddings=32,
             )
             config._attn_implementation = "eager"
-            self.lm = LlamaForCausalLM(config)
+            self.lm = transformers.LlamaForCausalLM(config)
 
-        def forward(self, ids):
-            return self.lm(ids, past_key_values=DynamicCache(), use_cache=True)
-
-
-    def loss_fn(out):
-        cache_tensors = pytree.tree_leaves(out.past_key_values)
-        assert cache_tensors, "the DynamicCache holds no tensors"
-        return out.logits.square().mean() + sum(t.mean() for t in cache_tensors)
-
-
-    def make_model():
-        torch.manual_seed(0)
-        return Net()
-
-
-    def make_inputs(world_size, iterations):
-        g = torch.Generator().manual_seed(1)
-        return torch.randint(0, 64, (iterations, world_size, 2, 6), generator=g)
-    """
-)
-
-WORKER_SRC = textwrap.dedent(
-    """
-    import datetime, json, os, sys
-    import torch
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
-
-    rank, world_size, iterations, out_dir = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-    namespace = {}
-    exec(os.environ["DDP_TEST_MODEL_SRC"], namespace)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120))
-    ddp_kwargs = json.loads(os.environ["DDP_TEST_DDP_KWARGS"])
-    model = DistributedDataParallel(namespace["make_model"](), **ddp_kwargs)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    inputs = namespace["make_inputs"](world_size, iterations)
-    grads, types = [], []
-    for it in range(iterations):
-        opt.zero_grad()
-        out = model(inputs[it, rank])
-        types.append([f"{type(out).__module__}.{type(out).__qualname__}", list(out.keys())])
-        namespace["loss_fn"](out).backward()
-        grads.append({name: p.grad.clone() for name, p in model.module.named_parameters()})
-        opt.step()
-    torch.save(grads, os.path.join(out_dir, f"grads{rank}.pt"))
-    with open(os.path.join(out_dir, f"types{rank}.json"), "w") as f:
-        json.dump(types, f)
-    dist.destroy_process_group()
-    """
-)
-
-
-def _free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@unittest.skipIf(not HAS_TRANSFORMERS, "transformers is not installed")
-@unittest.skipIf(not dist.is_available() or not dist.is_gloo_available(), "gloo is not available")
-class TestDDPModelOutput(TestCase):
-    def _reference(self, model_src):
-        namespace = {}
-        exec(model_src, namespace)  # noqa: S102 - same source as the ranks run, trusted test code
-        model = namespace["make_model"]()
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        inputs = namespace["make_inputs"](WORLD_SIZE, ITERATIONS)
-        grads = []
-        for it in range(ITERATIONS):
-            opt.zero_grad()
-            # DDP averages the ranks' gradients: the reference loss is the mean of the per-rank losses
-            loss = sum(namespace["loss_fn"](model(inputs[it, r])) for r in range(WORLD_SIZE)) / WORLD_SIZE
-            loss.backward()
-            grads.append({name: p.grad.clone() for name, p in model.named_parameters()})
-            opt.step()
-        out = model(inputs[0, 0])
-        return grads, type(out), list(out.keys())
-
-    def _run_ranks(self, out_dir, model_src, ddp_kwargs):
-        env = os.environ.copy()
-        env.update(
-            PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(_free_port()),
-            DDP_TEST_MODEL_SRC=model_src,
-            DDP_TEST_DDP_KWARGS=json.dumps(ddp_kwargs),
-            HF_HUB_OFFLINE="1",
-            TRANSFORMERS_OFFLINE="1",
-            OMP_NUM_THREADS="1",
-        )
-        procs = [
-            subprocess.Popen(
-                [sys.executable, "-c", WORKER_SRC, str(rank), str(WORLD_SIZE), str(ITERATIONS), out_dir],
-                env=env,
-                cwd=out_dir,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
+        def forward(self, ids: torch.Tensor) -> Any:
+            return self.lm(
+                ids, past_key_values=transformers.DynamicCache(), use_cache=True
             )
-            for rank in range(WORLD_SIZE)
-        ]
-        failures = []
-        for rank, proc in enumerate(procs):
-            try:
-                output, _ = proc.communicate(timeout=300)
-            except subprocess.TimeoutExpired:
-                for p in procs:
-                    p.kill()
-                output, _ = proc.communicate()
-                failures.append(f"rank {rank} timed out:\n{output}")
-                continue
-            if proc.returncode != 0:
-                failures.append(f"rank {rank} exited with {proc.returncode}:\n{output}")
-        if failures:
-            self.fail("\n".join(failures))
 
-    def _check_ranks_match_reference(self, model_src, ddp_kwargs, keys=None):
-        ref_grads, out_type, ref_keys = self._reference(model_src)
-        if keys is not None:
-            self.assertEqual(ref_keys, keys)
-        with tempfile.TemporaryDirectory() as out_dir:
-            self._run_ranks(out_dir, model_src, ddp_kwargs)
-            rank_grads = [torch.load(os.path.join(out_dir, f"grads{r}.pt")) for r in range(WORLD_SIZE)]
-            rank_types = []
-            for r in range(WORLD_SIZE):
-                with open(os.path.join(out_dir, f"types{r}.json")) as f:
-                    rank_types.append(json.load(f))
-        expected_type = f"{out_type.__module__}.{out_type.__qualname__}"
-        for r in range(WORLD_SIZE):
-            for it in range(ITERATIONS):
-                # DDP hands back the same ModelOutput subclass with the same keys
-                self.assertEqual(rank_types[r][it], [expected_type, ref_keys])
-                self.assertEqual(rank_grads[r][it].keys(), ref_grads[it].keys())
-                for name, ref in ref_grads[it].items():
-                    self.assertEqual(
-                        rank_grads[r][it][name], ref, atol=1e-6, rtol=1e-5, msg=f"rank {r} iteration {it} {name}"
-                    )
 
-    def test_static_graph_gradients_match_single_process(self):
-        self._check_ranks_match_reference(
-            MODEL_SRC, {"static_graph": True}, ["last_hidden_state", "pooler_output", "hidden_states"]
+def llama_loss(out: Any) -> torch.Tensor:
+    cache_tensors = pytree.tree_leaves(out.past_key_values)
+    assert cache_tensors, "the DynamicCache holds no tensors"
+    return out.logits.square().mean() + sum(t.mean() for t in cache_tensors)
+
+
+class DDPModelOutputTest(MultiProcessTestCase):
+    def setUp(self) -> None:
+        super().setUp()
+        self._spawn_processes()
+
+    @property
+    def world_size(self) -> int:
+        return 2
+
+    def _register_stand_ins(self) -> None:
+        # in this rank's process; what a library does at import
+        for base in (OutputLike, CacheLike):
+            pytree.register_pytree_family(base)
+            self.addCleanup(pytree._deregister_pytree_family, base)
+
+    def _inputs(self) -> torch.Tensor:
+        # the inputs of every rank and iteration, the same in every process
+        g = torch.Generator().manual_seed(1)
+        return torch.randn(ITERATIONS, self.world_size, 3, DIM, generator=g)
+
+    def _check_gradients(
+        self,
+        make_model: Callable[[], torch.nn.Module],
+        loss_fn: Callable[[Any], torch.Tensor],
+        inputs: torch.Tensor,
+        check_output: Callable[[Any], None] | None = None,
+        **ddp_kwargs: Any,
+    ) -> None:
+        """Train ``ITERATIONS`` steps with DDP and compare with one process."""
+        if not dist.is_initialized():
+            # destroyed when the rank exits (destroy_pg_upon_exit)
+            store = dist.FileStore(self.file_name, self.world_size)
+            dist.init_process_group(
+                "gloo", store=store, rank=self.rank, world_size=self.world_size
+            )
+        torch.manual_seed(0)
+        reference = make_model()
+        torch.manual_seed(0)
+        model = DistributedDataParallel(make_model(), **ddp_kwargs)
+        reference_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for it in range(ITERATIONS):
+            reference_opt.zero_grad()
+            # DDP averages the gradients: the reference loss is the mean of the ranks'
+            losses = [loss_fn(reference(x)) for x in inputs[it]]
+            (sum(losses) / self.world_size).backward()
+
+            opt.zero_grad()
+            out = model(inputs[it, self.rank])
+            self.assertIs(type(out), type(reference(inputs[it, self.rank])))
+            if check_output is not None:
+                check_output(out)
+            loss_fn(out).backward()
+            for (name, p), ref in zip(
+                model.module.named_parameters(), reference.parameters()
+            ):
+                self.assertEqual(
+                    p.grad,
+                    ref.grad,
+                    atol=1e-6,
+                    rtol=1e-5,
+                    msg=f"rank {self.rank} iteration {it} {name}",
+                )
+            opt.step()
+            reference_opt.step()
+
+    def assertSunk(self, tensors: list[torch.Tensor]) -> None:
+        """DDP saw the tensors: it passed them through its sink."""
+        self.assertTrue(tensors)
+        for t in tensors:
+            self.assertEqual(type(t.grad_fn).__name__, "_DDPSinkBackward")
+
+    @requires_gloo()
+    def test_static_graph_model_output(self) -> None:
+        self._register_stand_ins()
+
+        def check_output(out: EncoderOutputLike) -> None:
+            self.assertEqual(
+                list(out.keys()), ["last_hidden_state", "pooler_output", "hidden_states"]
+            )
+            self.assertIsNone(out.attentions)
+            self.assertIs(type(out.hidden_states), tuple)
+
+        self._check_gradients(
+            Encoder, encoder_loss, self._inputs(), check_output, static_graph=True
         )
 
-    @unittest.skipIf(not HAS_CACHE_UTILS, "transformers < 4.36 has no Cache classes")
-    def test_find_unused_parameters_with_cache_output(self):
-        # The output's DynamicCache is flattened by DDP to find the tensors it
-        # returns; before transformers 4.56 the cache is an nn.Module.
-        self._check_ranks_match_reference(LLAMA_MODEL_SRC, {"find_unused_parameters": True})
+    @requires_gloo()
+    def test_find_unused_parameters_unused_output(self) -> None:
+        # aux_logits is not in the loss: only through the sink does DDP learn
+        # that aux_head gets no gradient
+        self._register_stand_ins()
+
+        def check_output(out: LMOutputLike) -> None:
+            self.assertSunk([out.logits, out.aux_logits])
+
+        self._check_gradients(
+            TwoHeads,
+            logits_loss,
+            self._inputs(),
+            check_output,
+            find_unused_parameters=True,
+        )
+
+    @requires_gloo()
+    def test_find_unused_parameters_cache_in_output(self) -> None:
+        self._register_stand_ins()
+
+        def check_output(out: LMOutputLike) -> None:
+            cache = out.past_key_values
+            self.assertIs(type(cache), DynamicCacheLike)
+            self.assertEqual(len(cache.keys), 2)
+            self.assertSunk([out.logits, *cache.keys, *cache.values])
+
+        for loss_fn in (cache_loss, logits_loss):
+            with self.subTest(loss=loss_fn.__name__):
+                self._check_gradients(
+                    Decoder,
+                    loss_fn,
+                    self._inputs(),
+                    check_output,
+                    find_unused_parameters=True,
+                )
+
+    @requires_gloo()
+    @unittest.skipIf(not HAS_TRANSFORMERS, "transformers is not installed")
+    def test_static_graph_transformers_model_output(self) -> None:
+        def check_output(out: Any) -> None:
+            self.assertEqual(
+                list(out.keys()), ["last_hidden_state", "pooler_output", "hidden_states"]
+            )
+
+        self._check_gradients(
+            BertLikeEncoder, encoder_loss, self._inputs(), check_output, static_graph=True
+        )
+
+    @requires_gloo()
+    @unittest.skipIf(not HAS_CACHE_UTILS, "needs transformers with a DynamicCache")
+    def test_find_unused_parameters_transformers_cache_in_output(self) -> None:
+        # an nn.Module in transformers 4.36 to 4.5x, a plain class since 4.56
+        def check_output(out: Any) -> None:
+            self.assertIsInstance(out.past_key_values, transformers.DynamicCache)
+            self.assertSunk(pytree.tree_leaves(out.past_key_values))
+
+        g = torch.Generator().manual_seed(1)
+        ids = torch.randint(0, 64, (ITERATIONS, self.world_size, 2, 6), generator=g)
+        self._check_gradients(
+            TinyLlama, llama_loss, ids, check_output, find_unused_parameters=True
+        )
 
 
 if __name__ == "__main__":
