@@ -134,8 +134,11 @@ def _parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("export", formatter_class=_Formatter, epilog=EXIT_CODES,
                        help="write the upstream-ready series (library + tests + benchmarks)",
-                       description="Write the library series plus one commit adding this repo's tests "
-                                   "(test/** except test/torch_patch/) and one adding benchmarks/**, as "
+                       description="Write the library series, each commit with the files of this repo's "
+                                   "tests (test/** except test/torch_patch/) and benchmarks/** that its Test "
+                                   "Plan names first (a benchmark with its directory, a test with the modules "
+                                   "of its directory it imports), then one commit with the tests and one with "
+                                   "the benchmarks that no Test Plan names, if any, as "
                                    "`git format-patch` files and a `series`, to OUTDIR. On a PyTorch "
                                    f"v{EXPECTED_TORCH_VERSION} checkout: git am --keep-non-patch OUTDIR/*.patch")
     e.add_argument("outdir", metavar="OUTDIR")

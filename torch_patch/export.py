@@ -1,14 +1,18 @@
 """`torch-patch export OUTDIR`: the upstream-ready series (library patches + tests + benchmarks).
 
 A throw-away stand-in checkout holding the stock files the series touches is committed as
-v2.13.0, the library series is `git am`-ed, then one commit adds this repo's upstream tests
-(``test/**`` except ``test/torch_patch/``) and one adds ``benchmarks/**``.  Everything after
-the base is written with the byte-stable ``git format-patch`` options of ``dev --export``.
+v2.13.0 and the library series is `git am`-ed, each commit together with the files of this
+repo's upstream tests (``test/**`` except ``test/torch_patch/``) and ``benchmarks/**`` that its
+Test Plan names first (``python test/x.py``: that file and the modules of its directory it
+imports; ``python benchmarks/d/x.py``: all of ``benchmarks/d/``). One commit then adds the
+tests, and one the benchmarks, that no Test Plan names.  Everything after the base is written
+with the byte-stable ``git format-patch`` options of ``dev --export``.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -42,6 +46,63 @@ def repo_files(repo: Path, top: str) -> List[str]:
         files = [p.relative_to(repo).as_posix() for p in (repo / top).rglob("*") if p.is_file()]
     return sorted(f for f in set(files)
                   if not _SKIP_PARTS.intersection(f.split("/")) and not f.endswith((".pyc", ".pyo")))
+
+
+_TEST_PLAN_COMMAND = re.compile(r"^\s*python3?\s+(\S+\.py)\b", re.MULTILINE)
+_LOCAL_IMPORT = re.compile(r"^\s*(?:from|import)\s+([A-Za-z_]\w*)\b", re.MULTILINE)
+
+
+def _copy_into(repo: Path, work: Path, files: List[str]) -> None:
+    for f in files:
+        dst = work / f
+        if dst.exists():
+            raise TorchPatchError(f"{f} would overwrite a file of the library series; rename it")
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(repo / f, dst)
+        shutil.copymode(repo / f, dst)
+
+
+def _test_plan_files(patch_text: str) -> List[str]:
+    """The ``python <file>.py`` commands of the Test Plan in a patch's message, in order."""
+    message = patch_text.split("\n---\n", 1)[0]
+    if "\nTest Plan:" not in message:
+        return []
+    return _TEST_PLAN_COMMAND.findall(message.split("\nTest Plan:", 1)[1])
+
+
+def _files_for_test_plan(named: str, repo: Path, available: List[str]) -> List[str]:
+    """What a Test Plan command needs from this repo: a benchmark's whole directory; a test file
+    and the modules of its own directory that it imports (recursively)."""
+    directory = named.rsplit("/", 1)[0]
+    if named.startswith("benchmarks/"):
+        return [f for f in available if f.startswith(directory + "/")]
+    needed, todo = [], [named]
+    while todo:
+        f = todo.pop()
+        if f in needed:
+            continue
+        needed.append(f)
+        text = (repo / f).read_text(encoding="utf-8", errors="replace")
+        for module in _LOCAL_IMPORT.findall(text):
+            sibling = f"{f.rsplit('/', 1)[0]}/{module}.py"
+            if sibling in available:
+                todo.append(sibling)
+    return sorted(needed)
+
+
+def _tests_per_patch(patches: List, repo: Path, available: List[str]) -> List[List[str]]:
+    """For each library patch, the files of this repo that its Test Plan names first."""
+    taken: set = set()
+    per_patch = []
+    for patch in patches:
+        files: List[str] = []
+        for named in _test_plan_files(patch.text):
+            if named in available:
+                files += [f for f in _files_for_test_plan(named, repo, available)
+                          if f not in taken and f not in files]
+        taken.update(files)
+        per_patch.append(sorted(files))
+    return per_patch
 
 
 def _test_plan(files: List[str], kind: str) -> str:
@@ -80,7 +141,20 @@ def export(outdir: os.PathLike, *, force: bool = False, series_dir: Optional[os.
         (work / "README").write_text(f"stand-in for pytorch {BASE_TAG}: only the files the series touches\n")
         _git_commit_all(work, BASE_MESSAGE)
         run_git(["tag", BASE_TAG], work, env=env)
-        git_am(work, [p.path for p in series.patches])
+        # Each library commit carries the tests and benchmarks its Test Plan names (the first one
+        # to name a file gets it); what no Test Plan names follows in a tests and a benchmarks commit.
+        per_patch = _tests_per_patch(series.patches, repo, test_files + bench_files)
+        for patch, files in zip(series.patches, per_patch):
+            git_am(work, [patch.path])
+            if files:
+                _copy_into(repo, work, files)
+                run_git(["add", "-f", "--", *files], work, env=env)
+                date = run_git(["log", "-1", "--format=%aI"], work, env=env).stdout.decode().strip()
+                run_git(["commit", "-q", "--amend", "--no-edit", "--no-verify"], work,
+                        env=git_env(dict(FIXED_IDENTITY, GIT_COMMITTER_DATE=date)))
+        in_library = {f for files in per_patch for f in files}
+        test_files = [f for f in test_files if f not in in_library]
+        bench_files = [f for f in bench_files if f not in in_library]
         # the added commits carry the identity and date of the last library commit (stable bytes)
         ident = run_git(["log", "-1", "--format=%an%n%ae%n%aI"], work, env=env).stdout.decode().split("\n")
         identity = dict(FIXED_IDENTITY)
@@ -93,13 +167,7 @@ def export(outdir: os.PathLike, *, force: bool = False, series_dir: Optional[os.
             if not files:
                 log(f"note: no files under {repo / kind}; no {kind} commit")
                 continue
-            for f in files:
-                dst = work / f
-                if dst.exists():
-                    raise TorchPatchError(f"{f} would overwrite a file of the library series; rename it")
-                dst.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(repo / f, dst)
-                shutil.copymode(repo / f, dst)
+            _copy_into(repo, work, files)
             run_git(["add", "-f", "--", *files], work, env=env)
             run_git(["commit", "-q", "--no-verify", "-m", template.format(test_plan=_test_plan(files, kind))],
                     work, env=git_env(identity))
@@ -113,7 +181,8 @@ def export(outdir: os.PathLike, *, force: bool = False, series_dir: Optional[os.
                 old.unlink(missing_ok=True)
         for name in names + ["series"]:
             shutil.copyfile(staged / name, outdir / name)
-    log(f"exported {len(names)} patch(es) to {outdir} ({len(series.patches)} library, "
-        f"{len(test_files)} test file(s), {len(bench_files)} benchmark file(s))")
+    log(f"exported {len(names)} patch(es) to {outdir} ({len(series.patches)} library, carrying "
+        f"{len(in_library)} file(s) their Test Plans name; then {len(test_files)} other test file(s), "
+        f"{len(bench_files)} other benchmark file(s))")
     log(f"  on a PyTorch {BASE_TAG} checkout:  git am --keep-non-patch {outdir}/*.patch")
     return names

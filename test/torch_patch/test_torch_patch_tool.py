@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -424,7 +425,7 @@ def test_export_git_am_and_byte_stable(tmp_path, template, test_series):
     for lib in names[:2]:  # library patches are the very same bytes as the series
         assert (out / lib).read_bytes() == (test_series / lib).read_bytes()
     tests_patch = (out / names[2]).read_text()
-    assert "Subject: [PATCH] [pytree] Add tests for pytree families" in tests_patch
+    assert "Subject: [PATCH] [pytree] Add the pytree tests that no commit's Test Plan" in tests_patch
     assert "Test Plan:" in tests_patch and "python test/test_fake_family.py" in tests_patch
     assert "test/data/expected.txt" in tests_patch
     assert "test/torch_patch" not in tests_patch and "__pycache__" not in tests_patch
@@ -451,6 +452,49 @@ def test_export_git_am_and_byte_stable(tmp_path, template, test_series):
     assert r.returncode == 5 and "not empty" in r.stderr
     r = run_cli("export", out, "--force", "--repo", repo, "--from", template, "--series", test_series)
     assert r.returncode == 0 and tree_digest(out) == tree_digest(out2)
+
+
+def test_export_puts_tests_in_the_commit_whose_test_plan_names_them(tmp_path, template, test_series):
+    # The second patch's Test Plan names a test (which imports a helper module next to it) and a
+    # benchmark: they go into that commit, the benchmark with its whole directory; what no Test
+    # Plan names follows in the trailing tests commit; no benchmarks commit is left.
+    repo = _fake_repo(tmp_path / "repo")
+    (repo / "test" / "fake_helpers.py").write_text("HELPER = 1\n")
+    (repo / "test" / "test_fake_family.py").write_text(
+        "from fake_helpers import HELPER\n\n\ndef test_ok():\n    assert HELPER == 1\n")
+    (repo / "benchmarks" / "pytree" / "_shared.py").write_text("X = 1\n")
+    series = tmp_path / "series"
+    shutil.copytree(test_series, series)
+    second = series_names(series)[1]
+    text = (series / second).read_text()
+    plan = ("\n\nTest Plan:\npython test/test_fake_family.py\n"
+            "python benchmarks/pytree/bench_family.py --quick\npython test/test_pytree.py\n")
+    assert "Touches two files and adds one." in text
+    (series / second).write_text(text.replace("Touches two files and adds one.",
+                                              "Touches two files and adds one." + plan, 1))
+    out = tmp_path / "out"
+    r = run_cli("export", out, "--repo", repo, "--from", template, "--series", series)
+    assert r.returncode == 0, r.stderr
+    names = series_names(out)
+    assert len(names) == 3, names  # two library commits and the tests no Test Plan names
+
+    def added(name: str) -> list:
+        return sorted(re.findall(r"^diff --git a/(\S+) ", (out / name).read_text(), re.M))
+
+    assert [f for f in added(names[1]) if not f.startswith("torch/")] == [
+        "benchmarks/pytree/_shared.py", "benchmarks/pytree/bench_family.py",
+        "test/fake_helpers.py", "test/test_fake_family.py"]
+    assert not [f for f in added(names[0]) if not f.startswith("torch/")]
+    assert added(names[2]) == ["test/data/expected.txt"]
+    co = standin_checkout(tmp_path / "pytorch", template)
+    am = git("am", "--keep-non-patch", *[str(out / n) for n in names[:2]], cwd=co, check=False)
+    assert am.returncode == 0, am.stderr
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          str(co / "test" / "test_fake_family.py")], capture_output=True, text=True, cwd=co)
+    assert run.returncode == 0 and "1 passed" in run.stdout, run.stdout + run.stderr
+    out2 = tmp_path / "out2"
+    assert run_cli("export", out2, "--repo", repo, "--from", template, "--series", series).returncode == 0
+    assert tree_digest(out2) == tree_digest(out)
 
 
 # ------------------------------------------------------------------------------------------
