@@ -5,10 +5,10 @@ DDP flattens a module's output with pytree: with ``static_graph=True`` (first
 iteration) and with ``find_unused_parameters=True`` it routes every output tensor
 through ``_DDPSink``. An output class that is a pytree leaf hides its tensors from
 the sink: with ``static_graph=True`` the delayed all-reduce of the first iteration
-is never queued and the ranks' gradients silently differ; with
-``find_unused_parameters=True`` an output tensor left out of the loss makes the
-reduction of its parameters never finish. Registering the output classes as a
-pytree family (``register_pytree_family``) fixes both.
+is never queued, and with ``find_unused_parameters=True`` an output tensor left
+out of the loss keeps the bucket of its parameters from being reduced: either way
+the ranks' gradients silently differ. Registering the output classes as a pytree
+family (``register_pytree_family``) fixes both.
 
 The stand-in classes below behave like HuggingFace's ``ModelOutput`` and KV caches
 where it matters, so the tests need only torch; the tests with the real
@@ -50,7 +50,8 @@ except ImportError:
 
 # transformers 4.31 has no caches (without importing the module: it is slow)
 HAS_CACHE_UTILS = (
-    HAS_TRANSFORMERS and importlib.util.find_spec("transformers.cache_utils") is not None
+    HAS_TRANSFORMERS
+    and importlib.util.find_spec("transformers.cache_utils") is not None
 )
 
 ITERATIONS = 3
@@ -205,7 +206,8 @@ if HAS_TRANSFORMERS:
 
 def llama_loss(out: Any) -> torch.Tensor:
     cache_tensors = pytree.tree_leaves(out.past_key_values)
-    assert cache_tensors, "the DynamicCache holds no tensors"
+    if not cache_tensors:
+        raise AssertionError("the DynamicCache holds no tensors")
     return out.logits.square().mean() + sum(t.mean() for t in cache_tensors)
 
 
@@ -287,7 +289,8 @@ class DDPModelOutputTest(MultiProcessTestCase):
 
         def check_output(out: EncoderOutputLike) -> None:
             self.assertEqual(
-                list(out.keys()), ["last_hidden_state", "pooler_output", "hidden_states"]
+                list(out.keys()),
+                ["last_hidden_state", "pooler_output", "hidden_states"],
             )
             self.assertIsNone(out.attentions)
             self.assertIs(type(out.hidden_states), tuple)
@@ -338,11 +341,16 @@ class DDPModelOutputTest(MultiProcessTestCase):
     def test_static_graph_transformers_model_output(self) -> None:
         def check_output(out: Any) -> None:
             self.assertEqual(
-                list(out.keys()), ["last_hidden_state", "pooler_output", "hidden_states"]
+                list(out.keys()),
+                ["last_hidden_state", "pooler_output", "hidden_states"],
             )
 
         self._check_gradients(
-            BertLikeEncoder, encoder_loss, self._inputs(), check_output, static_graph=True
+            BertLikeEncoder,
+            encoder_loss,
+            self._inputs(),
+            check_output,
+            static_graph=True,
         )
 
     @requires_gloo()

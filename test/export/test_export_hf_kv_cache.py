@@ -11,6 +11,8 @@ the returned cache and compares with eager.
 
 Runs with whatever transformers is installed: with transformers 5.x for the cache
 classes, with transformers 4.31.0 for the tuple caches (``past_key_values``).
+Without transformers every test skips; ``test_export_pytree_family.py`` runs a
+decode loop with a stand-in cache class.
 """
 
 import copy
@@ -29,11 +31,12 @@ import torch
 import torch.utils._pytree as py_pytree
 from torch.export import AdditionalInputs, Dim
 from torch.testing._internal.common_utils import (
-    TestCase,
     instantiate_parametrized_tests,
     parametrize,
     run_tests,
+    TestCase,
 )
+
 
 try:
     import torch.utils._cxx_pytree as cxx_pytree
@@ -63,6 +66,11 @@ if HAS_TRANSFORMERS:
     HAS_TUPLE_CACHE = not importlib.util.find_spec("transformers.cache_utils")
 else:
     HAS_CACHE_LAYERS = HAS_TUPLE_CACHE = False
+
+# every test class needs transformers; the module still imports without it
+requires_transformers = unittest.skipIf(
+    not HAS_TRANSFORMERS, "transformers is not installed"
+)
 
 VOCAB = 99
 PREFILL = 6  # longer than the sliding window: sliding layers are full when decoding
@@ -362,7 +370,7 @@ print(json.dumps({"steps": steps}))
 """
 
 
-@unittest.skipIf(not HAS_TRANSFORMERS, "transformers is not installed")
+@requires_transformers
 class TestExportHFKVCache(TestCase):
     def setUp(self):
         super().setUp()
@@ -418,7 +426,7 @@ class TestExportHFKVCache(TestCase):
                 torch.save((tokens[1:], state), os.path.join(tmp, f"{case}.in.pt"))
                 expected[case] = _eager_steps(step, state, tokens[1:])
             result = _run_python(_LOAD_AND_DECODE, tmp, *cases)
-            self.assertEqual(result["steps"], {case: STEPS for case in cases})
+            self.assertEqual(result["steps"], dict.fromkeys(cases, STEPS))
             for case in cases:
                 outputs = torch.load(
                     os.path.join(tmp, f"{case}.out.pt"), weights_only=False
@@ -519,6 +527,7 @@ class TestExportHFKVCache(TestCase):
         self.assertLessEqual(max(diffs), ATOL, diffs)
 
 
+@requires_transformers
 @unittest.skipIf(not HAS_CACHE_LAYERS, "needs transformers >= 4.56 cache layers")
 class TestHFCacheSpecLoading(TestCase):
     def test_round_trip(self):

@@ -1,12 +1,17 @@
 # Owner(s): ["oncall: export"]
-"""End-to-end tests: real (tiny, random-weight) HuggingFace transformers models through torch.export,
-torch._dynamo.export and torch.compile, relying on the built-in lazy pytree families for
+"""Real HuggingFace transformers models through export and compile.
+
+Tiny, random-weight models go through torch.export, torch._dynamo.export and
+torch.compile, relying on the built-in lazy pytree families for
 ``transformers.utils.generic:ModelOutput`` and ``transformers.cache_utils:Cache``.
 
-Runs against whatever transformers is installed; CI runs it with transformers 4.31.0 (no pytree self-registration,
-no ``cache_utils``, ``past_key_values`` are tuples) and with the latest 5.x (ModelOutput subclasses register
-themselves, GPT-2/T5 outputs carry ``DynamicCache``/``EncoderDecoderCache`` objects). Models are built from configs,
-nothing is downloaded.
+Runs against whatever transformers is installed; CI runs it with transformers
+4.31.0 (no pytree self-registration, no ``cache_utils``, ``past_key_values`` are
+tuples) and with the latest 5.x (ModelOutput subclasses register themselves,
+GPT-2/T5 outputs carry ``DynamicCache``/``EncoderDecoderCache`` objects). Models
+are built from configs, nothing is downloaded. Without transformers every test
+skips; ``test_export_pytree_family.py`` covers the same paths with stand-in
+classes.
 """
 
 import copy
@@ -24,12 +29,13 @@ import warnings
 import torch
 import torch.utils._pytree as py_pytree
 from torch.testing._internal.common_utils import (
-    TestCase,
     instantiate_parametrized_tests,
     parametrize,
     run_tests,
     subtest,
+    TestCase,
 )
+
 
 try:
     import torch.utils._cxx_pytree as cxx_pytree
@@ -47,10 +53,16 @@ except ImportError:
 if HAS_TRANSFORMERS:
     # transformers 4.31.0 has neither; both exist in transformers 5.x.
     HAS_CACHE_UTILS = importlib.util.find_spec("transformers.cache_utils") is not None
-    # ModelOutput subclasses registering themselves in __init_subclass__ (absent in transformers 4.31.0).
+    # ModelOutput subclasses registering themselves in __init_subclass__ (absent
+    # in transformers 4.31.0).
     HAS_SELF_REGISTRATION = hasattr(transformers.utils.generic, "_model_output_flatten")
 else:
     HAS_CACHE_UTILS = HAS_SELF_REGISTRATION = False
+
+# every test class needs transformers; the module still imports without it
+requires_transformers = unittest.skipIf(
+    not HAS_TRANSFORMERS, "transformers is not installed"
+)
 
 pytree_params = [subtest(py_pytree, name="py")]
 if cxx_pytree is not None:
@@ -61,7 +73,8 @@ VOCAB = 99
 
 def _subprocess_env():
     env = os.environ.copy()
-    # the child must import the same torch (PYTHONPATH may point at a patched tree) and must stay offline
+    # the child must import the same torch (PYTHONPATH may point at a patched
+    # tree) and must stay offline
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     env["HF_HUB_OFFLINE"] = "1"
     env["TRANSFORMERS_OFFLINE"] = "1"
@@ -80,13 +93,16 @@ def _run_python(code, *argv, timeout=300):
         timeout=timeout,
     )
     if proc.returncode != 0:
-        raise AssertionError(f"subprocess failed ({proc.returncode}):\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
+        raise AssertionError(
+            f"subprocess failed ({proc.returncode}):\n"
+            f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+        )
     # the last line of stdout is the JSON result
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 class _Call(torch.nn.Module):
-    """Calls ``model`` with positional tensors bound to ``names`` plus constant keyword arguments."""
+    """Calls ``model`` with the positional tensors as ``names``, plus constants."""
 
     def __init__(self, model, names, **constant_kwargs):
         super().__init__()
@@ -112,12 +128,20 @@ def _bert():
     input_ids = torch.randint(1, VOCAB, (2, 7))
     attention_mask = torch.ones(2, 7, dtype=torch.long)
     attention_mask[1, 5:] = 0
-    return _Call(model, ["input_ids", "attention_mask"], return_dict=True), (input_ids, attention_mask)
+    return _Call(model, ["input_ids", "attention_mask"], return_dict=True), (
+        input_ids,
+        attention_mask,
+    )
 
 
 def _gpt2():
     config = transformers.GPT2Config(
-        n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1
+        n_layer=2,
+        n_embd=32,
+        n_head=2,
+        vocab_size=VOCAB,
+        bos_token_id=VOCAB - 1,
+        eos_token_id=VOCAB - 1,
     )
     model = transformers.GPT2LMHeadModel(config).eval()
     input_ids = torch.randint(0, VOCAB, (2, 7))
@@ -126,13 +150,21 @@ def _gpt2():
 
 def _t5():
     config = transformers.T5Config(
-        d_model=32, d_ff=37, num_layers=2, num_heads=2, vocab_size=VOCAB, d_kv=8, decoder_start_token_id=0
+        d_model=32,
+        d_ff=37,
+        num_layers=2,
+        num_heads=2,
+        vocab_size=VOCAB,
+        d_kv=8,
+        decoder_start_token_id=0,
     )
     model = transformers.T5ForConditionalGeneration(config).eval()
     input_ids = torch.randint(1, VOCAB, (2, 7))
     decoder_input_ids = torch.randint(1, VOCAB, (2, 4))
     return (
-        _Call(model, ["input_ids", "decoder_input_ids"], use_cache=True, return_dict=True),
+        _Call(
+            model, ["input_ids", "decoder_input_ids"], use_cache=True, return_dict=True
+        ),
         (input_ids, decoder_input_ids),
     )
 
@@ -171,11 +203,11 @@ MODES = {
 
 
 def _cache_leaf_count(model_name):
-    """Number of tensors in the model's cache / past_key_values for the tiny configs above (2 layers)."""
+    """Tensors in the cache / past_key_values of the tiny configs above (2 layers)."""
     return {"bert": 0, "gpt2": 2 * 2, "t5": 2 * 4}[model_name]
 
 
-@unittest.skipIf(not HAS_TRANSFORMERS, "transformers is not installed")
+@requires_transformers
 class TestExportHFModelOutput(TestCase):
     def setUp(self):
         super().setUp()
@@ -202,13 +234,18 @@ class TestExportHFModelOutput(TestCase):
         with torch.no_grad():
             expected = mod(*args)
             with warnings.catch_warnings():
-                # tracing-time deprecation chatter from transformers / export is not what is tested here
+                # tracing-time deprecation chatter from transformers / export is
+                # not what is tested here
                 warnings.simplefilter("ignore")
                 actual = MODES[mode](mod, args)
         self.assertSameOutput(expected, actual)
-        # the cache (tuples of tensors in 4.31, a Cache object in 5.x) is flattened into its tensors too
+        # the cache (tuples of tensors in 4.31, a Cache object in 5.x) is
+        # flattened into its tensors too
         tensor_fields = len(expected) - (0 if model_name == "bert" else 1)
-        self.assertEqual(py_pytree.tree_flatten(expected)[1].num_leaves, tensor_fields + _cache_leaf_count(model_name))
+        self.assertEqual(
+            py_pytree.tree_flatten(expected)[1].num_leaves,
+            tensor_fields + _cache_leaf_count(model_name),
+        )
 
     @parametrize("model_name", list(MODELS))
     def test_save_load_fresh_process(self, model_name):
@@ -248,7 +285,9 @@ class TestExportHFModelOutput(TestCase):
                 leaves_path,
             )
             leaves = torch.load(leaves_path)
-        self.assertEqual(result["type"], f"{type(expected).__module__}.{type(expected).__qualname__}")
+        self.assertEqual(
+            result["type"], f"{type(expected).__module__}.{type(expected).__qualname__}"
+        )
         self.assertEqual(result["keys"], list(expected.keys()))
         self.assertEqual(py_pytree.treespec_loads(result["spec"]), expected_spec)
         self.assertEqual(len(leaves), len(expected_leaves))
@@ -277,7 +316,8 @@ class TestExportHFModelOutput(TestCase):
 
     @parametrize("pytree", pytree_params)
     def test_user_model_output_subclass(self, pytree):
-        # defined after transformers (and torch) were imported and after the family was registered
+        # defined after transformers (and torch) were imported and after the
+        # family was registered
         @dataclasses.dataclass
         class MyOutput(ModelOutput):
             logits: torch.Tensor | None = None
@@ -317,7 +357,7 @@ class TestExportHFModelOutput(TestCase):
 
     @unittest.skipIf(
         not HAS_SELF_REGISTRATION,
-        "transformers 4.31.0 does not register ModelOutput subclasses as pytree nodes itself",
+        "transformers 4.31.0 does not register ModelOutput subclasses itself",
     )
     def test_transformers_own_registration_wins(self):
         from transformers.modeling_outputs import (
@@ -349,7 +389,11 @@ class TestExportHFModelOutput(TestCase):
 
     @parametrize("import_order", ["torch_first", "transformers_first"])
     def test_import_and_build_emit_no_warnings(self, import_order):
-        first, second = ("torch", "transformers") if import_order == "torch_first" else ("transformers", "torch")
+        first, second = (
+            ("torch", "transformers")
+            if import_order == "torch_first"
+            else ("transformers", "torch")
+        )
         result = _run_python(
             f"""
             import json, logging, warnings
@@ -366,13 +410,19 @@ class TestExportHFModelOutput(TestCase):
                 import {first}
                 import {second}
                 import torch.utils._pytree as pytree
-                from transformers import BertConfig, BertModel, GPT2Config, GPT2LMHeadModel
+                from transformers import (
+                    BertConfig, BertModel, GPT2Config, GPT2LMHeadModel
+                )
 
                 torch.manual_seed(0)
-                bert = BertModel(BertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2,
-                                            num_attention_heads=2, intermediate_size=37)).eval()
-                gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=99,
-                                                  bos_token_id=98, eos_token_id=98)).eval()
+                bert = BertModel(BertConfig(
+                    vocab_size=99, hidden_size=32, num_hidden_layers=2,
+                    num_attention_heads=2, intermediate_size=37,
+                )).eval()
+                gpt2 = GPT2LMHeadModel(GPT2Config(
+                    n_layer=2, n_embd=32, n_head=2, vocab_size=99,
+                    bos_token_id=98, eos_token_id=98,
+                )).eval()
                 ids = torch.randint(1, 99, (2, 5))
                 with torch.no_grad():
                     outs = [bert(ids), gpt2(ids, use_cache=True)]
@@ -404,7 +454,11 @@ class TestExportHFModelOutput(TestCase):
                 x: torch.Tensor
 
             Point = namedtuple("Point", "x y")
-            tree = {"a": [torch.ones(1), (2, None)], "b": MyDict(c=torch.zeros(1)), "p": Point(1, Plain(torch.ones(2)))}
+            tree = {
+                "a": [torch.ones(1), (2, None)],
+                "b": MyDict(c=torch.zeros(1)),
+                "p": Point(1, Plain(torch.ones(2))),
+            }
             leaves, spec = pytree.tree_flatten(tree)
             pytree.tree_unflatten(leaves, spec)
             pytree.tree_map(lambda v: v, tree)
@@ -425,20 +479,30 @@ class TestExportHFModelOutput(TestCase):
             torch.export.export(M(), (torch.ones(2),))
             print(json.dumps({
                 "installed": importlib.util.find_spec("transformers") is not None,
-                "leaked": sorted(m for m in sys.modules if m.split(".")[0] in ("transformers", "diffusers")),
+                "leaked": sorted(
+                    m for m in sys.modules
+                    if m.split(".")[0] in ("transformers", "diffusers")
+                ),
                 "leaf_types": [type(leaf).__name__ for leaf in leaves],
             }))
             """
         )
-        self.assertTrue(result["installed"])  # the lazy hook had something it could have imported
+        self.assertTrue(
+            result["installed"]
+        )  # the lazy hook had something it could have imported
         self.assertEqual(result["leaked"], [])
-        # types that were not opted in keep their stock behaviour (OrderedDict subclass, dataclass are leaves)
-        self.assertEqual(result["leaf_types"], ["Tensor", "int", "NoneType", "MyDict", "int", "Plain"])
+        # types that were not opted in keep their stock behaviour (OrderedDict
+        # subclass, dataclass are leaves)
+        self.assertEqual(
+            result["leaf_types"],
+            ["Tensor", "int", "NoneType", "MyDict", "int", "Plain"],
+        )
 
 
+@requires_transformers
 @unittest.skipIf(
     not HAS_CACHE_UTILS,
-    "transformers 4.31.0 has no transformers.cache_utils (past_key_values are tuples of tensors)",
+    "transformers 4.31.0 has no transformers.cache_utils (tuple past_key_values)",
 )
 class TestHFCacheFamily(TestCase):
     def _gpt2_cache(self):
@@ -456,17 +520,23 @@ class TestHFCacheFamily(TestCase):
         self.assertIsInstance(cache, DynamicCache)
         leaves, spec = pytree.tree_flatten(cache)
         expected = [t for layer in cache.layers for t in (layer.keys, layer.values)]
-        # the leaves are exactly the cached tensors, not copies (their order is the handler's choice)
+        # the leaves are exactly the cached tensors, not copies (their order is
+        # the handler's choice)
         self.assertEqual(sorted(map(id, leaves)), sorted(map(id, expected)))
         rebuilt = pytree.tree_unflatten(leaves, spec)
         self.assertIs(type(rebuilt), DynamicCache)
         self.assertEqual(pytree.tree_flatten(rebuilt)[1], spec)
         self.assertEqual(rebuilt.get_seq_length(), cache.get_seq_length())
-        # the rebuilt cache keeps working for the next decoding step ("cache" in 5.x, "past_key_values" before)
+        # the rebuilt cache keeps working for the next decoding step ("cache" in
+        # 5.x, "past_key_values" before)
         cache_kwarg = self._cache_key
         step = input_ids[:, :1]
         with torch.no_grad():
-            a = mod.model(step, **{cache_kwarg: pytree.tree_unflatten(leaves, spec)}, use_cache=True).logits
+            a = mod.model(
+                step,
+                **{cache_kwarg: pytree.tree_unflatten(leaves, spec)},
+                use_cache=True,
+            ).logits
             b = mod.model(step, **{cache_kwarg: cache}, use_cache=True).logits
         self.assertEqual(a, b)
 
@@ -484,18 +554,25 @@ class TestHFCacheFamily(TestCase):
         self.assertTrue(all(isinstance(t, torch.Tensor) for t in leaves))
         rebuilt = pytree.tree_unflatten(leaves, spec)
         self.assertIs(type(rebuilt), EncoderDecoderCache)
-        self.assertIs(type(rebuilt.self_attention_cache), type(cache.self_attention_cache))
-        self.assertIs(type(rebuilt.cross_attention_cache), type(cache.cross_attention_cache))
+        self.assertIs(
+            type(rebuilt.self_attention_cache), type(cache.self_attention_cache)
+        )
+        self.assertIs(
+            type(rebuilt.cross_attention_cache), type(cache.cross_attention_cache)
+        )
         self.assertEqual(rebuilt.is_updated, cache.is_updated)
         self.assertEqual(rebuilt.get_seq_length(), cache.get_seq_length())
         self.assertEqual(
-            py_pytree.treespec_loads(py_pytree.treespec_dumps(py_pytree.tree_flatten(cache)[1])),
+            py_pytree.treespec_loads(
+                py_pytree.treespec_dumps(py_pytree.tree_flatten(cache)[1])
+            ),
             py_pytree.tree_flatten(cache)[1],
         )
 
     @parametrize("strict", [True, False])
     def test_export_with_cache_input(self, strict):
-        # the cache as an export *input*: flattened into placeholders, rebuilt inside the traced forward
+        # the cache as an export *input*: flattened into placeholders, rebuilt
+        # inside the traced forward
         mod, input_ids, cache = self._gpt2_cache()
         cache_kwarg = self._cache_key
 
@@ -512,10 +589,14 @@ class TestHFCacheFamily(TestCase):
             expected = Step(mod.model)(step, copy.deepcopy(cache))
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                ep = torch.export.export(Step(mod.model), (step, copy.deepcopy(cache)), strict=strict)
+                ep = torch.export.export(
+                    Step(mod.model), (step, copy.deepcopy(cache)), strict=strict
+                )
             actual = ep.module()(step, copy.deepcopy(cache))
         # one placeholder per cache tensor, named after the key path
-        self.assertEqual(len(ep.graph_signature.user_inputs), 1 + _cache_leaf_count("gpt2"))
+        self.assertEqual(
+            len(ep.graph_signature.user_inputs), 1 + _cache_leaf_count("gpt2")
+        )
         self.assertEqual(actual[cache_kwarg].get_seq_length(), input_ids.shape[1] + 1)
         self.assertEqual(type(actual), type(expected))
         expected_leaves, expected_spec = py_pytree.tree_flatten(expected)

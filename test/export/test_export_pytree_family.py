@@ -33,27 +33,27 @@ from torch.testing._internal.common_utils import (
 
 try:
     from .pytree_family_stand_ins import (
-    BaseModelOutputLike,
-    BaseOutputLike,
-    CacheLike,
-    CausalLMOutputLike,
-    DynamicCacheLike,
-    ModelOutputLike,
-    Seq2SeqLMOutputLike,
-    SlidingWindowCacheLike,
-    UNetOutputLike,
+        BaseModelOutputLike,
+        BaseOutputLike,
+        CacheLike,
+        CausalLMOutputLike,
+        DynamicCacheLike,
+        ModelOutputLike,
+        Seq2SeqLMOutputLike,
+        SlidingWindowCacheLike,
+        UNetOutputLike,
     )
 except ImportError:
-    from pytree_family_stand_ins import (  # @manual
-    BaseModelOutputLike,
-    BaseOutputLike,
-    CacheLike,
-    CausalLMOutputLike,
-    DynamicCacheLike,
-    ModelOutputLike,
-    Seq2SeqLMOutputLike,
-    SlidingWindowCacheLike,
-    UNetOutputLike,
+    from pytree_family_stand_ins import (
+        BaseModelOutputLike,
+        BaseOutputLike,
+        CacheLike,
+        CausalLMOutputLike,
+        DynamicCacheLike,
+        ModelOutputLike,
+        Seq2SeqLMOutputLike,
+        SlidingWindowCacheLike,
+        UNetOutputLike,
     )
 
 
@@ -102,9 +102,9 @@ class Head(torch.nn.Module):
     def forward(
         self, encoder_output: BaseModelOutputLike, labels: torch.Tensor
     ) -> CausalLMOutputLike:
-        logits = self.proj(encoder_output.last_hidden_state + encoder_output[
-            "hidden_states"
-        ][0])
+        logits = self.proj(
+            encoder_output.last_hidden_state + encoder_output["hidden_states"][0]
+        )
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
         return CausalLMOutputLike(loss=loss, logits=logits)
 
@@ -406,10 +406,8 @@ class TestExportPytreeFamily(TestCase):
                 _LOAD_UNREGISTERED, os.path.join(tmp, "encoder.pt2")
             )
         self.assertFalse(result["loaded"])
-        self.assertIn(
-            f"Deserializing {STAND_INS}.BaseModelOutputLike in pytree is not registered",
-            stderr,
-        )
+        name = f"{STAND_INS}.BaseModelOutputLike"
+        self.assertIn(f"Deserializing {name} in pytree is not registered", stderr)
 
     @parametrize(
         "case",
