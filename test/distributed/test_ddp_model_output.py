@@ -354,6 +354,7 @@ class DDPModelOutputTest(MultiProcessTestCase):
         )
 
     @requires_gloo()
+    @unittest.skipIf(not HAS_TRANSFORMERS, "transformers is not installed")
     @unittest.skipIf(not HAS_CACHE_UTILS, "needs transformers with a DynamicCache")
     def test_find_unused_parameters_transformers_cache_in_output(self) -> None:
         # an nn.Module in transformers 4.36 to 4.5x, a plain class since 4.56
