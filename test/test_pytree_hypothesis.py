@@ -25,6 +25,9 @@ consumed by ``common_utils`` for its own profiles):
   second run of the suite in another environment.
 * ``pytree-thorough``: random seeds, 20x the examples of ``pytree-ci``, no deadline.
 
+Under ``PYTORCH_TEST_WITH_DYNAMO=1`` no profile has a deadline (an example's time is
+then mostly Dynamo's compile time).
+
 Without ``optree``, the ``cxx`` tests and the python/cxx parity tests are skipped
 and the ``py`` tests run.  Works with hypothesis 6.56.4 (upstream CI's pin) and
 later releases.
@@ -50,6 +53,7 @@ from torch.testing._internal.common_utils import (
     parametrize,
     run_tests,
     subtest,
+    TEST_WITH_TORCHDYNAMO,
     TestCase,
 )
 from torch.utils._pytree import GetAttrKey, MappingKey, SequenceKey
@@ -92,7 +96,8 @@ settings.register_profile(
     max_examples=_DEFAULT_EXAMPLES_PER_PROPERTY,
     derandomize=True,
     database=None,
-    deadline=timedelta(seconds=2),
+    # Under PYTORCH_TEST_WITH_DYNAMO=1 an example's time is Dynamo's compile time.
+    deadline=None if TEST_WITH_TORCHDYNAMO else timedelta(seconds=2),
     print_blob=True,
     suppress_health_check=_SUPPRESSED_HEALTH_CHECKS,
 )
@@ -938,7 +943,9 @@ class TestPytreeProperties(TestCase):
         with self.assertRaises(ValueError) as cm:
             pytree.tree_unflatten([_Marker(i) for i in range(wrong)], spec)
         message = str(cm.exception)
-        if pytree is py_pytree:
+        # A compiled _cxx_pytree.tree_unflatten is Dynamo's Python polyfill, which
+        # raises the Python pytree's message.
+        if pytree is py_pytree or TEST_WITH_TORCHDYNAMO:
             self.assertIn(f"has length {wrong} ", message)
             self.assertIn(f"holds {spec.num_leaves} items", message)
         else:
