@@ -136,6 +136,24 @@ class TestPytreeFamilyAPI(FamilyTestCase):
             inspect.signature(cxx_pytree.register_pytree_family),
         )
 
+    @skipIfNoCxxPytree
+    def test_cxx_refuses_flatten_with_keys_fn(self) -> None:
+        # As cxx_pytree.register_pytree_node does: key paths are python-only.
+        class Base(dict):
+            pass
+
+        with self.assertRaisesRegex(NotImplementedError, "KeyPaths are not yet"):
+            cxx_pytree.register_pytree_family(
+                Base,
+                flatten_fn=lambda d: (list(d.values()), list(d)),
+                unflatten_fn=lambda cls, values, keys: cls(zip(keys, values)),
+                flatten_with_keys_fn=lambda d: ([], None),
+            )
+        self.assertNotIn(Base, py_pytree._PYTREE_FAMILIES)
+        self.assertIs(cxx_pytree.FamilyUnflattenFn, py_pytree.FamilyUnflattenFn)
+        self.assertIn("FamilyUnflattenFn", py_pytree.__all__)
+        self.assertIn("FamilyUnflattenFn", cxx_pytree.__all__)
+
     def test_rejects_builtin_and_invalid_bases(self) -> None:
         for base in (object, dict, OrderedDict, list, tuple, defaultdict):
             with self.assertRaisesRegex(ValueError, "builtin type"):
