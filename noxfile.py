@@ -4,8 +4,8 @@ Each test session installs this package with its test extras into a fresh venv (
 applies the patch series to that venv's torch with `torch-patch apply` (a no-op when the
 session is reused), then runs the whole suite.  Arguments after `--` replace the default `test`:
 `nox -s tests-latest -- test/test_pytree_family.py -x`.  `lint` runs PyTorch's lint gates on the
-exported series; `commits` (not run by default: commits 1, 3 and 5 do not pass their own Test
-Plans alone yet, issue #16) checks every library commit against its own Test Plan.
+exported series; `commits` (not run by default: commit 5 does not pass its own Test
+Plan alone yet, issue #16) checks every library commit against its own Test Plan.
 """
 
 import collections
