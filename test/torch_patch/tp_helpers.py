@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -50,7 +51,14 @@ def run_cli(*args, env_extra=None, python=None, cwd=None, env=None):
     env.pop(core.FAULT_ENV, None)
     env.update(env_extra or {})
     return subprocess.run([python or sys.executable, "-m", "torch_patch", *map(str, args)],
-                          capture_output=True, text=True, env=env, cwd=cwd)
+                          capture_output=True, text=True, env=env, cwd=cwd, preexec_fn=_default_sigint)
+
+
+def _default_sigint() -> None:
+    # The CLI starts with SIGINT at its default, as from a terminal, whatever the test runner
+    # inherited: a job started in the background (`cmd &`) runs with SIGINT ignored, and so
+    # would the CLI, which would then never see the Ctrl-C that the tests send it.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def base_python() -> str:
