@@ -412,39 +412,42 @@ def _lint_trees(session: nox.Session, config: dict[str, str], work: Path) -> Non
     pyfmt = work / "pyfmt.py"
     pyfmt.write_text(_PYFMT_SCRIPT)
     new: dict[str, collections.Counter[str]] = {}
-    for gate in ("RUFF", "FLAKE8", "PYFMT", "MYPY-STRICT", "PYREFLY"):
+    # gate -> (command, which of the touched files it checks)
+    gates = {
+        "RUFF": (
+            (
+                "ruff",
+                "check",
+                "--config",
+                "pyproject.toml",
+                "--output-format",
+                "concise",
+                "--no-cache",
+            ),
+            lambda f: True,
+        ),
+        "FLAKE8": (("flake8", "--config", ".flake8"), lambda f: True),
+        "PYFMT": (("python", str(pyfmt), "."), lambda f: True),
+        "MYPY-STRICT": (
+            ("mypy", "--config-file", "mypy-strict.ini"),
+            lambda f: f in MYPY_STRICT_FILES,
+        ),
+        "PYREFLY": (
+            (
+                "pyrefly",
+                "check",
+                "--config",
+                "pyrefly.toml",
+                "--output-format",
+                "min-text",
+            ),
+            lambda f: f.startswith("torch/"),
+        ),
+    }
+    for gate, (cmd, checks) in gates.items():
         results = {}
         for name, tree in trees.items():
-            present = [f for f in files if (tree / f).is_file()]
-            if gate == "MYPY-STRICT":
-                present = [f for f in present if f in MYPY_STRICT_FILES]
-            if gate == "PYREFLY":
-                present = [f for f in present if f.startswith("torch/")]
-            if gate == "RUFF":
-                cmd = (
-                    "ruff",
-                    "check",
-                    "--config",
-                    "pyproject.toml",
-                    "--output-format",
-                    "concise",
-                    "--no-cache",
-                )
-            elif gate == "FLAKE8":
-                cmd = ("flake8", "--config", ".flake8")
-            elif gate == "PYFMT":
-                cmd = ("python", str(pyfmt), ".")
-            elif gate == "MYPY-STRICT":
-                cmd = ("mypy", "--config-file", "mypy-strict.ini")
-            else:
-                cmd = (
-                    "pyrefly",
-                    "check",
-                    "--config",
-                    "pyrefly.toml",
-                    "--output-format",
-                    "min-text",
-                )
+            present = [f for f in files if checks(f) and (tree / f).is_file()]
             with session.chdir(tree):
                 output = session.run(*cmd, *present, silent=True, success_codes=[0, 1])
             if "Traceback (most recent call last)" in output:
