@@ -9,6 +9,10 @@ from a config (nothing is downloaded), exports one decode step (``input_ids`` of
 length 1 plus the cache, with a dynamic cache length), runs several steps feeding back
 the returned cache and compares with eager.
 
+The whole model outputs of GPT-2 and T5 with ``use_cache=True`` (a ModelOutput
+carrying the cache) go through torch.export, torch._dynamo.export and torch.compile,
+and the cache classes round-trip through the pytree functions on their own.
+
 Runs with whatever transformers is installed: with transformers 5.x for the cache
 classes, with transformers 4.31.0 for the tuple caches (``past_key_values``).
 Without transformers every test skips; ``test_export_pytree_family.py`` runs a
@@ -34,6 +38,7 @@ from torch.testing._internal.common_utils import (
     instantiate_parametrized_tests,
     parametrize,
     run_tests,
+    subtest,
     TestCase,
 )
 
@@ -45,6 +50,7 @@ except ImportError:
 
 try:
     import transformers
+    from transformers.utils import ModelOutput
 
     HAS_TRANSFORMERS = True
 except ImportError:
@@ -66,11 +72,17 @@ if HAS_TRANSFORMERS:
     HAS_TUPLE_CACHE = not importlib.util.find_spec("transformers.cache_utils")
 else:
     HAS_CACHE_LAYERS = HAS_TUPLE_CACHE = False
+# transformers.cache_utils exists (not in transformers 4.31.0)
+HAS_CACHE_UTILS = HAS_TRANSFORMERS and not HAS_TUPLE_CACHE
 
 # every test class needs transformers; the module still imports without it
 requires_transformers = unittest.skipIf(
     not HAS_TRANSFORMERS, "transformers is not installed"
 )
+
+pytree_params = [subtest(py_pytree, name="py")]
+if cxx_pytree is not None:
+    pytree_params.append(subtest(cxx_pytree, name="cxx"))
 
 VOCAB = 99
 PREFILL = 6  # longer than the sliding window: sliding layers are full when decoding
@@ -349,6 +361,63 @@ def _run_python(code, *argv, timeout=300):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+class _Forward(torch.nn.Module):
+    """The whole output of ``model`` called with ``use_cache=True``."""
+
+    def __init__(self, model, names):
+        super().__init__()
+        self.model = model
+        self.names = names
+
+    def forward(self, *tensors):
+        kwargs = dict(zip(self.names, tensors))
+        return self.model(**kwargs, use_cache=True, return_dict=True)
+
+
+def _model_with_cache(name):
+    """``(module, args)``: GPT-2 or T5 returning a ModelOutput that holds its cache."""
+    torch.manual_seed(0)
+    if name == "gpt2":
+        model = getattr(transformers, _DECODER_MODELS[name])(_decoder_config(name))
+        return _Forward(model.eval(), ["input_ids"]), (torch.randint(0, VOCAB, (2, 7)),)
+    model = _seq2seq_model(name).eval()
+    args = (torch.randint(1, VOCAB, (2, 7)), torch.randint(1, VOCAB, (2, 4)))
+    return _Forward(model, ["input_ids", "decoder_input_ids"]), args
+
+
+OUTPUT_MODELS = ("gpt2", "t5")
+
+
+def _cache_leaf_count(model_name):
+    """Tensors in the cache / past_key_values of the tiny configs above (2 layers)."""
+    return {"gpt2": 2 * 2, "t5": 2 * 4}[model_name]
+
+
+def _run_export_strict(mod, args):
+    return torch.export.export(mod, args, strict=True).module()(*args)
+
+
+def _run_export_nonstrict(mod, args):
+    return torch.export.export(mod, args, strict=False).module()(*args)
+
+
+def _run_dynamo_export(mod, args):
+    graph_module, _guards = torch._dynamo.export(mod)(*args)
+    return graph_module(*args)
+
+
+def _run_compile(mod, args):
+    return torch.compile(mod, fullgraph=True, backend="eager")(*args)
+
+
+MODES = {
+    "export_strict": _run_export_strict,
+    "export_nonstrict": _run_export_nonstrict,
+    "dynamo_export": _run_dynamo_export,
+    "compile": _run_compile,
+}
+
+
 _LOAD_AND_DECODE = """
 import copy, json, os, sys
 import torch, transformers
@@ -528,6 +597,269 @@ class TestExportHFKVCache(TestCase):
 
 
 @requires_transformers
+class TestExportHFModelOutputWithCache(TestCase):
+    def setUp(self):
+        super().setUp()
+        torch._dynamo.reset()
+
+    def assertSameOutput(self, expected, actual):
+        self.assertIsInstance(expected, ModelOutput)
+        self.assertIs(type(actual), type(expected))
+        self.assertEqual(list(actual.keys()), list(expected.keys()))
+        expected_leaves, expected_spec = py_pytree.tree_flatten(expected)
+        actual_leaves, actual_spec = py_pytree.tree_flatten(actual)
+        # nested caches / past_key_values are flattened too: every leaf is a tensor
+        for leaf in expected_leaves + actual_leaves:
+            self.assertIsInstance(leaf, torch.Tensor)
+        self.assertEqual(actual_spec, expected_spec)
+        self.assertEqual(len(actual_leaves), len(expected_leaves))
+        for a, e in zip(actual_leaves, expected_leaves):
+            self.assertEqual(a, e, atol=1e-5, rtol=1e-5)
+
+    @parametrize("model_name", OUTPUT_MODELS)
+    @parametrize("mode", list(MODES))
+    def test_model_output_preserved(self, model_name, mode):
+        mod, args = _model_with_cache(model_name)
+        with torch.no_grad():
+            expected = mod(*args)
+            with warnings.catch_warnings():
+                # tracing-time deprecation chatter from transformers / export is
+                # not what is tested here
+                warnings.simplefilter("ignore")
+                actual = MODES[mode](mod, args)
+        self.assertSameOutput(expected, actual)
+        # the cache (tuples of tensors in 4.31, a Cache object in 5.x) is
+        # flattened into its tensors too
+        tensor_fields = len(expected) - 1
+        self.assertEqual(
+            py_pytree.tree_flatten(expected)[1].num_leaves,
+            tensor_fields + _cache_leaf_count(model_name),
+        )
+
+    @parametrize("model_name", OUTPUT_MODELS)
+    def test_save_load_fresh_process(self, model_name):
+        mod, args = _model_with_cache(model_name)
+        with torch.no_grad():
+            expected = mod(*args)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                ep = torch.export.export(mod, args, strict=False)
+        expected_leaves, expected_spec = py_pytree.tree_flatten(expected)
+        with tempfile.TemporaryDirectory() as tmp:
+            ep_path = os.path.join(tmp, "model.pt2")
+            args_path = os.path.join(tmp, "args.pt")
+            leaves_path = os.path.join(tmp, "leaves.pt")
+            torch.export.save(ep, ep_path)
+            torch.save(args, args_path)
+            result = _run_python(
+                """
+                import json, sys
+                import torch, transformers
+
+                assert "transformers.modeling_outputs" not in sys.modules
+                ep = torch.export.load(sys.argv[1])
+                out = ep.module()(*torch.load(sys.argv[2]))
+
+                import torch.utils._pytree as pytree
+                leaves, spec = pytree.tree_flatten(out)
+                torch.save(leaves, sys.argv[3])
+                print(json.dumps({
+                    "type": f"{type(out).__module__}.{type(out).__qualname__}",
+                    "keys": list(out.keys()),
+                    "spec": pytree.treespec_dumps(spec),
+                }))
+                """,
+                ep_path,
+                args_path,
+                leaves_path,
+            )
+            leaves = torch.load(leaves_path)
+        self.assertEqual(
+            result["type"], f"{type(expected).__module__}.{type(expected).__qualname__}"
+        )
+        self.assertEqual(result["keys"], list(expected.keys()))
+        self.assertEqual(py_pytree.treespec_loads(result["spec"]), expected_spec)
+        self.assertEqual(len(leaves), len(expected_leaves))
+        for a, e in zip(leaves, expected_leaves):
+            self.assertEqual(a, e, atol=1e-5, rtol=1e-5)
+
+    @parametrize("import_order", ["torch_first", "transformers_first"])
+    def test_import_and_build_emit_no_warnings(self, import_order):
+        first, second = (
+            ("torch", "transformers")
+            if import_order == "torch_first"
+            else ("transformers", "torch")
+        )
+        result = _run_python(
+            f"""
+            import json, logging, warnings
+
+            records = []
+
+            class Collect(logging.Handler):
+                def emit(self, record):
+                    records.append(f"{{record.name}}: {{record.getMessage()}}")
+
+            logging.getLogger().addHandler(Collect(level=logging.WARNING))
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                import {first}
+                import {second}
+                import torch.utils._pytree as pytree
+                from transformers import (
+                    BertConfig, BertModel, GPT2Config, GPT2LMHeadModel
+                )
+
+                torch.manual_seed(0)
+                bert = BertModel(BertConfig(
+                    vocab_size=99, hidden_size=32, num_hidden_layers=2,
+                    num_attention_heads=2, intermediate_size=37,
+                )).eval()
+                gpt2 = GPT2LMHeadModel(GPT2Config(
+                    n_layer=2, n_embd=32, n_head=2, vocab_size=99,
+                    bos_token_id=98, eos_token_id=98,
+                )).eval()
+                ids = torch.randint(1, 99, (2, 5))
+                with torch.no_grad():
+                    outs = [bert(ids), gpt2(ids, use_cache=True)]
+                leaves = [pytree.tree_flatten(o)[0] for o in outs]
+            print(json.dumps({{
+                "warnings": [f"{{w.category.__name__}}: {{w.message}}" for w in caught],
+                "logs": records,
+                "leaf_types": sorted({{type(x).__name__ for ls in leaves for x in ls}}),
+            }}))
+            """
+        )
+        self.assertEqual(result["warnings"], [])
+        self.assertEqual(result["logs"], [])
+        self.assertEqual(result["leaf_types"], ["Tensor"])
+
+
+@requires_transformers
+@unittest.skipIf(
+    not HAS_CACHE_UTILS,
+    "transformers 4.31.0 has no transformers.cache_utils (tuple past_key_values)",
+)
+class TestHFCacheFamily(TestCase):
+    def _gpt2_cache(self):
+        mod, (input_ids,) = _model_with_cache("gpt2")
+        with torch.no_grad():
+            out = mod(input_ids)
+        self._cache_key = list(out.keys())[1]
+        return mod, input_ids, out[self._cache_key]
+
+    @parametrize("pytree", pytree_params)
+    def test_dynamic_cache_round_trip(self, pytree):
+        from transformers.cache_utils import DynamicCache
+
+        mod, input_ids, cache = self._gpt2_cache()
+        self.assertIsInstance(cache, DynamicCache)
+        leaves, spec = pytree.tree_flatten(cache)
+        expected = [t for layer in cache.layers for t in (layer.keys, layer.values)]
+        # the leaves are exactly the cached tensors, not copies (their order is
+        # the handler's choice)
+        self.assertEqual(sorted(map(id, leaves)), sorted(map(id, expected)))
+        rebuilt = pytree.tree_unflatten(leaves, spec)
+        self.assertIs(type(rebuilt), DynamicCache)
+        self.assertEqual(pytree.tree_flatten(rebuilt)[1], spec)
+        self.assertEqual(rebuilt.get_seq_length(), cache.get_seq_length())
+        # the rebuilt cache keeps working for the next decoding step ("cache" in
+        # 5.x, "past_key_values" before)
+        cache_kwarg = self._cache_key
+        step = input_ids[:, :1]
+        with torch.no_grad():
+            a = mod.model(
+                step,
+                **{cache_kwarg: pytree.tree_unflatten(leaves, spec)},
+                use_cache=True,
+            ).logits
+            b = mod.model(step, **{cache_kwarg: cache}, use_cache=True).logits
+        self.assertEqual(a, b)
+
+    @parametrize("pytree", pytree_params)
+    def test_encoder_decoder_cache_round_trip(self, pytree):
+        from transformers.cache_utils import EncoderDecoderCache
+
+        mod, args = _model_with_cache("t5")
+        with torch.no_grad():
+            out = mod(*args)
+        cache = out[list(out.keys())[1]]
+        self.assertIsInstance(cache, EncoderDecoderCache)
+        leaves, spec = pytree.tree_flatten(cache)
+        self.assertEqual(len(leaves), _cache_leaf_count("t5"))
+        self.assertTrue(all(isinstance(t, torch.Tensor) for t in leaves))
+        rebuilt = pytree.tree_unflatten(leaves, spec)
+        self.assertIs(type(rebuilt), EncoderDecoderCache)
+        self.assertIs(
+            type(rebuilt.self_attention_cache), type(cache.self_attention_cache)
+        )
+        self.assertIs(
+            type(rebuilt.cross_attention_cache), type(cache.cross_attention_cache)
+        )
+        self.assertEqual(rebuilt.is_updated, cache.is_updated)
+        self.assertEqual(rebuilt.get_seq_length(), cache.get_seq_length())
+        self.assertEqual(
+            py_pytree.treespec_loads(
+                py_pytree.treespec_dumps(py_pytree.tree_flatten(cache)[1])
+            ),
+            py_pytree.tree_flatten(cache)[1],
+        )
+
+    @parametrize("strict", [True, False])
+    def test_export_with_cache_input(self, strict):
+        # the cache as an export *input*: flattened into placeholders, rebuilt
+        # inside the traced forward
+        mod, input_ids, cache = self._gpt2_cache()
+        cache_kwarg = self._cache_key
+
+        class Step(torch.nn.Module):
+            def __init__(self, model):
+                super().__init__()
+                self.model = model
+
+            def forward(self, input_ids, cache):
+                return self.model(input_ids, **{cache_kwarg: cache}, use_cache=True)
+
+        step = input_ids[:, :1]
+        with torch.no_grad():
+            expected = Step(mod.model)(step, copy.deepcopy(cache))
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                ep = torch.export.export(
+                    Step(mod.model), (step, copy.deepcopy(cache)), strict=strict
+                )
+            actual = ep.module()(step, copy.deepcopy(cache))
+        # one placeholder per cache tensor, named after the key path
+        self.assertEqual(
+            len(ep.graph_signature.user_inputs), 1 + _cache_leaf_count("gpt2")
+        )
+        self.assertEqual(actual[cache_kwarg].get_seq_length(), input_ids.shape[1] + 1)
+        self.assertEqual(type(actual), type(expected))
+        expected_leaves, expected_spec = py_pytree.tree_flatten(expected)
+        actual_leaves, actual_spec = py_pytree.tree_flatten(actual)
+        self.assertEqual(actual_spec, expected_spec)
+        for a, e in zip(actual_leaves, expected_leaves, strict=True):
+            self.assertEqual(a, e, atol=1e-5, rtol=1e-5)
+
+    def test_static_cache_round_trip(self):
+        from transformers.cache_utils import StaticCache
+
+        mod, input_ids, _ = self._gpt2_cache()
+        cache = StaticCache(config=mod.model.config, max_cache_len=16)
+        with torch.no_grad():
+            mod.model(input_ids, **{self._cache_key: cache}, use_cache=True)
+        leaves, spec = py_pytree.tree_flatten(cache)
+        self.assertTrue(all(isinstance(t, torch.Tensor) for t in leaves))
+        rebuilt = py_pytree.tree_unflatten(leaves, spec)
+        self.assertIs(type(rebuilt), StaticCache)
+        self.assertEqual(int(rebuilt.get_seq_length()), input_ids.shape[1])
+        self.assertEqual(rebuilt.get_max_length(), 16)
+        for new, old in zip(rebuilt.layers, cache.layers):
+            self.assertIs(new.keys, old.keys)
+            self.assertIs(new.values, old.values)
+
+
+@requires_transformers
 @unittest.skipIf(not HAS_CACHE_LAYERS, "needs transformers >= 4.56 cache layers")
 class TestHFCacheSpecLoading(TestCase):
     def test_round_trip(self):
@@ -703,6 +1035,8 @@ def _layers(cache):
 
 instantiate_parametrized_tests(TestExportHFKVCache)
 instantiate_parametrized_tests(TestHFCacheSpecLoading)
+instantiate_parametrized_tests(TestExportHFModelOutputWithCache)
+instantiate_parametrized_tests(TestHFCacheFamily)
 
 if __name__ == "__main__":
     run_tests()

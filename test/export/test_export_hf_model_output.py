@@ -2,21 +2,19 @@
 """Real HuggingFace transformers models through export and compile.
 
 Tiny, random-weight models go through torch.export, torch._dynamo.export and
-torch.compile, relying on the built-in lazy pytree families for
-``transformers.utils.generic:ModelOutput`` and ``transformers.cache_utils:Cache``.
+torch.compile, relying on the built-in lazy pytree family for
+``transformers.utils.generic:ModelOutput``. The models run without a KV cache:
+outputs that carry one (``transformers.cache_utils:Cache``, a family of its own)
+are tested in ``test_export_hf_kv_cache.py``.
 
 Runs against whatever transformers is installed; CI runs it with transformers
-4.31.0 (no pytree self-registration, no ``cache_utils``, ``past_key_values`` are
-tuples) and with the latest 5.x (ModelOutput subclasses register themselves,
-GPT-2/T5 outputs carry ``DynamicCache``/``EncoderDecoderCache`` objects). Models
-are built from configs, nothing is downloaded. Without transformers every test
-skips; ``test_export_pytree_family.py`` covers the same paths with stand-in
-classes.
+4.31.0 (no pytree self-registration) and with the latest 5.x (ModelOutput
+subclasses register themselves). Models are built from configs, nothing is
+downloaded. Without transformers every test skips;
+``test_export_pytree_family.py`` covers the same paths with stand-in classes.
 """
 
-import copy
 import dataclasses
-import importlib.util
 import json
 import os
 import subprocess
@@ -50,14 +48,11 @@ try:
 except ImportError:
     HAS_TRANSFORMERS = False
 
-if HAS_TRANSFORMERS:
-    # transformers 4.31.0 has neither; both exist in transformers 5.x.
-    HAS_CACHE_UTILS = importlib.util.find_spec("transformers.cache_utils") is not None
-    # ModelOutput subclasses registering themselves in __init_subclass__ (absent
-    # in transformers 4.31.0).
-    HAS_SELF_REGISTRATION = hasattr(transformers.utils.generic, "_model_output_flatten")
-else:
-    HAS_CACHE_UTILS = HAS_SELF_REGISTRATION = False
+# ModelOutput subclasses registering themselves in __init_subclass__ (absent in
+# transformers 4.31.0)
+HAS_SELF_REGISTRATION = HAS_TRANSFORMERS and hasattr(
+    transformers.utils.generic, "_model_output_flatten"
+)
 
 # every test class needs transformers; the module still imports without it
 requires_transformers = unittest.skipIf(
@@ -145,7 +140,7 @@ def _gpt2():
     )
     model = transformers.GPT2LMHeadModel(config).eval()
     input_ids = torch.randint(0, VOCAB, (2, 7))
-    return _Call(model, ["input_ids"], use_cache=True, return_dict=True), (input_ids,)
+    return _Call(model, ["input_ids"], use_cache=False, return_dict=True), (input_ids,)
 
 
 def _t5():
@@ -163,7 +158,7 @@ def _t5():
     decoder_input_ids = torch.randint(1, VOCAB, (2, 4))
     return (
         _Call(
-            model, ["input_ids", "decoder_input_ids"], use_cache=True, return_dict=True
+            model, ["input_ids", "decoder_input_ids"], use_cache=False, return_dict=True
         ),
         (input_ids, decoder_input_ids),
     )
@@ -202,11 +197,6 @@ MODES = {
 }
 
 
-def _cache_leaf_count(model_name):
-    """Tensors in the cache / past_key_values of the tiny configs above (2 layers)."""
-    return {"bert": 0, "gpt2": 2 * 2, "t5": 2 * 4}[model_name]
-
-
 @requires_transformers
 class TestExportHFModelOutput(TestCase):
     def setUp(self):
@@ -219,7 +209,6 @@ class TestExportHFModelOutput(TestCase):
         self.assertEqual(list(actual.keys()), list(expected.keys()))
         expected_leaves, expected_spec = py_pytree.tree_flatten(expected)
         actual_leaves, actual_spec = py_pytree.tree_flatten(actual)
-        # nested caches / past_key_values are flattened too: every leaf is a tensor
         for leaf in expected_leaves + actual_leaves:
             self.assertIsInstance(leaf, torch.Tensor)
         self.assertEqual(actual_spec, expected_spec)
@@ -239,13 +228,8 @@ class TestExportHFModelOutput(TestCase):
                 warnings.simplefilter("ignore")
                 actual = MODES[mode](mod, args)
         self.assertSameOutput(expected, actual)
-        # the cache (tuples of tensors in 4.31, a Cache object in 5.x) is
-        # flattened into its tensors too
-        tensor_fields = len(expected) - (0 if model_name == "bert" else 1)
-        self.assertEqual(
-            py_pytree.tree_flatten(expected)[1].num_leaves,
-            tensor_fields + _cache_leaf_count(model_name),
-        )
+        # without a cache, every field that is set is one tensor
+        self.assertEqual(py_pytree.tree_flatten(expected)[1].num_leaves, len(expected))
 
     @parametrize("model_name", list(MODELS))
     def test_save_load_fresh_process(self, model_name):
@@ -425,7 +409,7 @@ class TestExportHFModelOutput(TestCase):
                 )).eval()
                 ids = torch.randint(1, 99, (2, 5))
                 with torch.no_grad():
-                    outs = [bert(ids), gpt2(ids, use_cache=True)]
+                    outs = [bert(ids), gpt2(ids, use_cache=False)]
                 leaves = [pytree.tree_flatten(o)[0] for o in outs]
             print(json.dumps({{
                 "warnings": [f"{{w.category.__name__}}: {{w.message}}" for w in caught],
@@ -499,132 +483,7 @@ class TestExportHFModelOutput(TestCase):
         )
 
 
-@requires_transformers
-@unittest.skipIf(
-    not HAS_CACHE_UTILS,
-    "transformers 4.31.0 has no transformers.cache_utils (tuple past_key_values)",
-)
-class TestHFCacheFamily(TestCase):
-    def _gpt2_cache(self):
-        mod, (input_ids,) = _build("gpt2")
-        with torch.no_grad():
-            out = mod(input_ids)
-        self._cache_key = list(out.keys())[1]
-        return mod, input_ids, out[self._cache_key]
-
-    @parametrize("pytree", pytree_params)
-    def test_dynamic_cache_round_trip(self, pytree):
-        from transformers.cache_utils import DynamicCache
-
-        mod, input_ids, cache = self._gpt2_cache()
-        self.assertIsInstance(cache, DynamicCache)
-        leaves, spec = pytree.tree_flatten(cache)
-        expected = [t for layer in cache.layers for t in (layer.keys, layer.values)]
-        # the leaves are exactly the cached tensors, not copies (their order is
-        # the handler's choice)
-        self.assertEqual(sorted(map(id, leaves)), sorted(map(id, expected)))
-        rebuilt = pytree.tree_unflatten(leaves, spec)
-        self.assertIs(type(rebuilt), DynamicCache)
-        self.assertEqual(pytree.tree_flatten(rebuilt)[1], spec)
-        self.assertEqual(rebuilt.get_seq_length(), cache.get_seq_length())
-        # the rebuilt cache keeps working for the next decoding step ("cache" in
-        # 5.x, "past_key_values" before)
-        cache_kwarg = self._cache_key
-        step = input_ids[:, :1]
-        with torch.no_grad():
-            a = mod.model(
-                step,
-                **{cache_kwarg: pytree.tree_unflatten(leaves, spec)},
-                use_cache=True,
-            ).logits
-            b = mod.model(step, **{cache_kwarg: cache}, use_cache=True).logits
-        self.assertEqual(a, b)
-
-    @parametrize("pytree", pytree_params)
-    def test_encoder_decoder_cache_round_trip(self, pytree):
-        from transformers.cache_utils import EncoderDecoderCache
-
-        mod, args = _build("t5")
-        with torch.no_grad():
-            out = mod(*args)
-        cache = out[list(out.keys())[1]]
-        self.assertIsInstance(cache, EncoderDecoderCache)
-        leaves, spec = pytree.tree_flatten(cache)
-        self.assertEqual(len(leaves), _cache_leaf_count("t5"))
-        self.assertTrue(all(isinstance(t, torch.Tensor) for t in leaves))
-        rebuilt = pytree.tree_unflatten(leaves, spec)
-        self.assertIs(type(rebuilt), EncoderDecoderCache)
-        self.assertIs(
-            type(rebuilt.self_attention_cache), type(cache.self_attention_cache)
-        )
-        self.assertIs(
-            type(rebuilt.cross_attention_cache), type(cache.cross_attention_cache)
-        )
-        self.assertEqual(rebuilt.is_updated, cache.is_updated)
-        self.assertEqual(rebuilt.get_seq_length(), cache.get_seq_length())
-        self.assertEqual(
-            py_pytree.treespec_loads(
-                py_pytree.treespec_dumps(py_pytree.tree_flatten(cache)[1])
-            ),
-            py_pytree.tree_flatten(cache)[1],
-        )
-
-    @parametrize("strict", [True, False])
-    def test_export_with_cache_input(self, strict):
-        # the cache as an export *input*: flattened into placeholders, rebuilt
-        # inside the traced forward
-        mod, input_ids, cache = self._gpt2_cache()
-        cache_kwarg = self._cache_key
-
-        class Step(torch.nn.Module):
-            def __init__(self, model):
-                super().__init__()
-                self.model = model
-
-            def forward(self, input_ids, cache):
-                return self.model(input_ids, **{cache_kwarg: cache}, use_cache=True)
-
-        step = input_ids[:, :1]
-        with torch.no_grad():
-            expected = Step(mod.model)(step, copy.deepcopy(cache))
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                ep = torch.export.export(
-                    Step(mod.model), (step, copy.deepcopy(cache)), strict=strict
-                )
-            actual = ep.module()(step, copy.deepcopy(cache))
-        # one placeholder per cache tensor, named after the key path
-        self.assertEqual(
-            len(ep.graph_signature.user_inputs), 1 + _cache_leaf_count("gpt2")
-        )
-        self.assertEqual(actual[cache_kwarg].get_seq_length(), input_ids.shape[1] + 1)
-        self.assertEqual(type(actual), type(expected))
-        expected_leaves, expected_spec = py_pytree.tree_flatten(expected)
-        actual_leaves, actual_spec = py_pytree.tree_flatten(actual)
-        self.assertEqual(actual_spec, expected_spec)
-        for a, e in zip(actual_leaves, expected_leaves, strict=True):
-            self.assertEqual(a, e, atol=1e-5, rtol=1e-5)
-
-    def test_static_cache_round_trip(self):
-        from transformers.cache_utils import StaticCache
-
-        mod, input_ids, _ = self._gpt2_cache()
-        cache = StaticCache(config=mod.model.config, max_cache_len=16)
-        with torch.no_grad():
-            mod.model(input_ids, **{self._cache_key: cache}, use_cache=True)
-        leaves, spec = py_pytree.tree_flatten(cache)
-        self.assertTrue(all(isinstance(t, torch.Tensor) for t in leaves))
-        rebuilt = py_pytree.tree_unflatten(leaves, spec)
-        self.assertIs(type(rebuilt), StaticCache)
-        self.assertEqual(int(rebuilt.get_seq_length()), input_ids.shape[1])
-        self.assertEqual(rebuilt.get_max_length(), 16)
-        for new, old in zip(rebuilt.layers, cache.layers):
-            self.assertIs(new.keys, old.keys)
-            self.assertIs(new.values, old.values)
-
-
 instantiate_parametrized_tests(TestExportHFModelOutput)
-instantiate_parametrized_tests(TestHFCacheFamily)
 
 if __name__ == "__main__":
     run_tests()
