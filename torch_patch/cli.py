@@ -148,6 +148,9 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--from", dest="source", metavar="TARGET",
                    help="where to take the stock torch files from (default: the torch this Python imports)")
     e.add_argument("--series", metavar="DIR", help=SERIES_HELP)
+    e.add_argument("--cut", choices=("full", "generic"), default="full",
+                   help="full: the whole series; generic: only the library patches before the first "
+                        "HuggingFace-specific one (a fork's generic part), with their tests")
 
     d = sub.add_parser("dev", formatter_class=_Formatter, epilog=EXIT_CODES,
                        help="create a dev tree, or export its commits back into torch_patch/patches",
@@ -191,7 +194,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(core.stock_file_path(args.path, args.target, series_dir=args.series))
         elif args.verb == "export":
             from .export import export
-            export(args.outdir, force=args.force, series_dir=args.series, repo=args.repo, source=args.source)
+            export(args.outdir, force=args.force, series_dir=args.series, repo=args.repo, source=args.source,
+                   cut=args.cut)
         elif args.verb == "dev":
             from .dev import dev_create, dev_export
             if args.export:

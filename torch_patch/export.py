@@ -7,6 +7,10 @@ Test Plan names first (``python test/x.py``: that file and the modules of its di
 imports; ``python benchmarks/d/x.py``: all of ``benchmarks/d/``). One commit then adds the
 tests, and one the benchmarks, that no Test Plan names.  Everything after the base is written
 with the byte-stable ``git format-patch`` options of ``dev --export``.
+
+``--cut generic`` stops before the first library patch that is specific to HuggingFace
+libraries (its added lines name transformers, diffusers or HuggingFace), so a fork can take the
+generic part alone; the files that only the dropped patches' Test Plans name are left out too.
 """
 
 from __future__ import annotations
@@ -105,6 +109,20 @@ def _tests_per_patch(patches: List, repo: Path, available: List[str]) -> List[Li
     return per_patch
 
 
+CUTS = ("full", "generic")
+_HF_SPECIFIC = re.compile(r"\b(?:transformers|diffusers|HuggingFace|huggingface)\b")
+
+
+def _generic_length(patches: List) -> int:
+    """How many library patches come before the first HuggingFace-specific one."""
+    for i, patch in enumerate(patches):
+        added = "\n".join(line[1:] for line in patch.text.split("\n---\n", 1)[-1].splitlines()
+                          if line.startswith("+") and not line.startswith("+++"))
+        if _HF_SPECIFIC.search(added):
+            return i
+    return len(patches)
+
+
 def _test_plan(files: List[str], kind: str) -> str:
     lines = []
     for f in files:
@@ -116,8 +134,13 @@ def _test_plan(files: List[str], kind: str) -> str:
 
 def export(outdir: os.PathLike, *, force: bool = False, series_dir: Optional[os.PathLike] = None,
            repo: Optional[os.PathLike] = None, source: Optional[os.PathLike] = None,
-           log: Log = _print) -> List[str]:
-    """Write the upstream series into OUTDIR (patch files + ``series``).  Returns the names."""
+           cut: str = "full", log: Log = _print) -> List[str]:
+    """Write the upstream series into OUTDIR (patch files + ``series``).  Returns the names.
+
+    ``cut="generic"``: only the library patches before the first HuggingFace-specific one.
+    """
+    if cut not in CUTS:
+        raise TorchPatchError(f"unknown cut {cut!r}; choose one of: {', '.join(CUTS)}")
     outdir = Path(outdir).expanduser().resolve()
     if outdir.exists() and any(outdir.iterdir()) and not force:
         raise TorchPatchError(f"{outdir} exists and is not empty; choose a new directory or pass --force")
@@ -144,7 +167,19 @@ def export(outdir: os.PathLike, *, force: bool = False, series_dir: Optional[os.
         # Each library commit carries the tests and benchmarks its Test Plan names (the first one
         # to name a file gets it); what no Test Plan names follows in a tests and a benchmarks commit.
         per_patch = _tests_per_patch(series.patches, repo, test_files + bench_files)
-        for patch, files in zip(series.patches, per_patch):
+        library = series.patches
+        if cut == "generic":
+            keep = _generic_length(series.patches)
+            if keep == 0:
+                raise TorchPatchError("the series has no generic part: its first patch is already "
+                                      "specific to HuggingFace libraries")
+            dropped = {f for files in per_patch[keep:] for f in files}
+            test_files = [f for f in test_files if f not in dropped]
+            bench_files = [f for f in bench_files if f not in dropped]
+            library, per_patch = series.patches[:keep], per_patch[:keep]
+            log(f"generic cut: {keep} of {len(series.patches)} library patches (up to and including "
+                f"{library[-1].name}), without the {len(dropped)} file(s) only the others' Test Plans name")
+        for patch, files in zip(library, per_patch):
             git_am(work, [patch.path])
             if files:
                 _copy_into(repo, work, files)
@@ -158,14 +193,14 @@ def export(outdir: os.PathLike, *, force: bool = False, series_dir: Optional[os.
         # the added commits carry the identity and date of the last library commit (stable bytes)
         ident = run_git(["log", "-1", "--format=%an%n%ae%n%aI"], work, env=env).stdout.decode().split("\n")
         identity = dict(FIXED_IDENTITY)
-        if series.patches:
+        if library:
             identity.update(GIT_AUTHOR_NAME=ident[0], GIT_AUTHOR_EMAIL=ident[1], GIT_AUTHOR_DATE=ident[2],
                             GIT_COMMITTER_NAME=ident[0], GIT_COMMITTER_EMAIL=ident[1],
                             GIT_COMMITTER_DATE=ident[2])
         for files, template, kind in ((test_files, TESTS_COMMIT_MESSAGE, "test"),
                                       (bench_files, BENCHMARKS_COMMIT_MESSAGE, "benchmarks")):
             if not files:
-                log(f"note: no files under {repo / kind}; no {kind} commit")
+                log(f"note: every {kind} file is in a library commit (or none exists); no {kind} commit")
                 continue
             _copy_into(repo, work, files)
             run_git(["add", "-f", "--", *files], work, env=env)
@@ -181,7 +216,7 @@ def export(outdir: os.PathLike, *, force: bool = False, series_dir: Optional[os.
                 old.unlink(missing_ok=True)
         for name in names + ["series"]:
             shutil.copyfile(staged / name, outdir / name)
-    log(f"exported {len(names)} patch(es) to {outdir} ({len(series.patches)} library, carrying "
+    log(f"exported {len(names)} patch(es) to {outdir} ({len(library)} library, carrying "
         f"{len(in_library)} file(s) their Test Plans name; then {len(test_files)} other test file(s), "
         f"{len(bench_files)} other benchmark file(s))")
     log(f"  on a PyTorch {BASE_TAG} checkout:  git am --keep-non-patch {outdir}/*.patch")

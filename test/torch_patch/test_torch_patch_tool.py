@@ -497,6 +497,41 @@ def test_export_puts_tests_in_the_commit_whose_test_plan_names_them(tmp_path, te
     assert tree_digest(out2) == tree_digest(out)
 
 
+def test_export_generic_cut_of_the_real_series(tmp_path, template):
+    # `--cut generic`: the library patches up to the first HuggingFace-specific one, byte for
+    # byte, with the tests their Test Plans name, and none of the HuggingFace tests; it applies.
+    series = core.load_series(core.PATCHES_DIR)
+    full, generic = tmp_path / "full", tmp_path / "generic"
+    assert run_cli("export", full, "--from", template).returncode == 0
+    r = run_cli("export", generic, "--cut", "generic", "--from", template)
+    assert r.returncode == 0, r.stderr
+    assert "generic cut:" in r.stdout
+    names = [n for n in series_names(generic) if n in series.names]  # the library patches
+    hf = re.compile(r"\b(?:transformers|diffusers|HuggingFace)\b", re.I)
+
+    def added_library_lines(patch: Path) -> str:
+        diff = patch.read_text().split("\n---\n", 1)[1]
+        files = re.split(r"^diff --git ", diff, flags=re.M)[1:]
+        return "\n".join(line for f in files if f.startswith("a/torch/")
+                         for line in f.splitlines() if line.startswith("+"))
+
+    assert 0 < len(names) < len(series.patches)
+    assert names == series_names(full)[: len(names)]
+    for name in names:
+        assert (generic / name).read_bytes() == (full / name).read_bytes()
+        assert not hf.search(added_library_lines(generic / name)), name
+    assert hf.search(added_library_lines(full / series_names(full)[len(names)]))
+    text = "".join((generic / n).read_text() for n in names)
+    assert "diff --git a/test/export/test_export_pytree_family.py" in text
+    assert "diff --git a/test/export/test_export_hf_model_output.py" not in text
+    assert "diff --git a/torch/utils/_pytree_hf_cache.py" not in text
+    co = standin_checkout(tmp_path / "pytorch", template)
+    am = git("am", "--keep-non-patch", *[str(generic / n) for n in names], cwd=co, check=False)
+    assert am.returncode == 0, am.stderr
+    r = run_cli("export", tmp_path / "bad", "--cut", "nope", "--from", template)
+    assert r.returncode == 5 and "invalid choice" in r.stderr
+
+
 # ------------------------------------------------------------------------------------------
 # the real series and the CLI surface
 
