@@ -9,12 +9,14 @@ the real classes are ``test_export_hf_model_output.py`` and
 
 import copy
 import dataclasses
+import functools
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import textwrap
+import unittest
 from collections import OrderedDict
 from typing import Any
 
@@ -26,6 +28,7 @@ from torch.testing._internal.common_utils import (
     instantiate_parametrized_tests,
     parametrize,
     run_tests,
+    skipIfTorchDynamo,
     subtest,
     TestCase,
 )
@@ -578,6 +581,131 @@ CausalLMOutputLike ["logits", "past_key_values"]
                 torch.export.export(Returns(make), (torch.ones(2),), strict=strict)
 
 
+# Functions of (pytree module, tree) that call one entry point each; compiled
+# with fullgraph=True they must trace one graph and agree with eager.
+def _flatten_add_one_unflatten(pytree: Any, tree: Any) -> Any:
+    leaves, spec = pytree.tree_flatten(tree)
+    return pytree.tree_unflatten([v + 1 for v in leaves], spec)
+
+
+_ENTRY_POINT_FNS: dict[str, Any] = {
+    "tree_flatten": _flatten_add_one_unflatten,
+    "tree_leaves": lambda m, t: [v * 2 for v in m.tree_leaves(t)],
+    "tree_iter": lambda m, t: [v * 2 for v in m.tree_iter(t)],
+    "tree_structure": lambda m, t: m.tree_unflatten(
+        [v - 1 for v in m.tree_leaves(t)], m.tree_structure(t)
+    ),
+    "tree_map": lambda m, t: m.tree_map(lambda v: v + 1, t),
+    "tree_map_": lambda m, t: m.tree_map_(lambda v: v.add_(1), t),
+    "tree_map_only": lambda m, t: m.tree_map_only(torch.Tensor, lambda v: v * 3, t),
+    "tree_all": lambda m, t: m.tree_all(lambda v: v.dim() == 1, t),
+    "tree_any": lambda m, t: m.tree_any(lambda v: v.shape[0] == 2, t),
+    "tree_is_leaf": lambda m, t: (m.tree_is_leaf(t), m.tree_is_leaf(torch.ones(1))),
+}
+
+
+class TestCompilePytreeFamily(TestCase):
+    """Dynamo meets a family member before eager code has flattened one."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        torch._dynamo.reset()
+
+    @skipIfTorchDynamo("compiles its own function: a compiled test would inline it")
+    def test_compile_fullgraph_never_flattened_before(self) -> None:
+        @dataclasses.dataclass
+        class FreshOutput(ModelOutputLike):
+            a: Any = None
+            b: Any = None
+
+        def fn(out: FreshOutput) -> FreshOutput:
+            mapped = py_pytree.tree_map(lambda t: t * 2, out)
+            return FreshOutput(a=mapped.a + 1)
+
+        self.assertNotIn(FreshOutput, py_pytree.SUPPORTED_NODES)
+        counter = CompileCounter()
+        compiled = torch.compile(fn, fullgraph=True, backend=counter)
+        x = torch.randn(3)
+        result = compiled(FreshOutput(a=x))
+        self.assertEqual(counter.frame_count, 1)
+        self.assertIs(type(result), FreshOutput)
+        self.assertEqual(list(result.keys()), ["a"])
+        self.assertEqual(result.a, x * 2 + 1)
+
+    @skipIfTorchDynamo("compiles its own function: a compiled test would inline it")
+    @parametrize_pytree
+    @parametrize("entry_point", list(_ENTRY_POINT_FNS))
+    @parametrize("kind", ["plain", "member", "new_member"])
+    def test_compile_fullgraph_entry_points(
+        self, pytree: Any, entry_point: str, kind: str
+    ) -> None:
+        # Stock traces every entry point of both pytrees into one graph; with
+        # families registered it still does, whether or not the input holds one
+        # of their members (`new_member`: a class never flattened before).
+        @dataclasses.dataclass
+        class NewOutput(ModelOutputLike):
+            a: Any = None
+            b: Any = None
+
+        def make_tree() -> Any:
+            x, y = torch.arange(3.0), torch.ones(2)
+            if kind == "plain":
+                return {"a": [x, (y,)], "b": x}
+            if kind == "member":
+                return [BaseModelOutputLike(last_hidden_state=x, hidden_states=(y,)), x]
+            return [NewOutput(a=x, b=(y, x)), y]
+
+        fn = functools.partial(_ENTRY_POINT_FNS[entry_point], pytree)
+        expected = fn(make_tree())
+        counter = CompileCounter()
+        actual = torch.compile(fn, backend=counter, fullgraph=True)(make_tree())
+        self.assertEqual(actual, expected)
+        self.assertEqual(type(actual), type(expected))
+        self.assertLessEqual(counter.frame_count, 1)
+
+    @unittest.skipIf("cxx" not in pytree_modules, "missing optree package")
+    def test_compile_fullgraph_cxx_in_fresh_process(self) -> None:
+        # In a fresh process the families are registered (by importing the
+        # stand-ins) but no member was ever seen, by optree or by Dynamo.
+        result, _ = _run_python(
+            """
+            import importlib, json, sys
+            import torch
+            import torch.utils._cxx_pytree as cxx_pytree
+
+            stand_ins = importlib.import_module(sys.argv[1])
+
+            def fn(x):
+                leaves, spec = cxx_pytree.tree_flatten({"a": [x, (x,)], "b": x})
+                out = cxx_pytree.tree_unflatten([v + 1 for v in leaves], spec)
+                return cxx_pytree.tree_map(lambda v: v * 2, out)
+
+            def gn(o):
+                return cxx_pytree.tree_map(lambda v: v + 1, o)
+
+            x = torch.arange(3.0)
+            compiled = torch.compile(fn, fullgraph=True, backend="eager")
+            torch.testing.assert_close(compiled(x), fn(x))
+            o = stand_ins.BaseModelOutputLike(last_hidden_state=x, hidden_states=(x, x))
+            r = torch.compile(gn, fullgraph=True, backend="eager")(o)
+            print(json.dumps({
+                "type": type(r).__qualname__,
+                "keys": list(r.keys()),
+                "hidden_states": [t.tolist() for t in r.hidden_states],
+            }))
+            """,
+            STAND_INS,
+        )
+        self.assertEqual(
+            result,
+            {
+                "type": "BaseModelOutputLike",
+                "keys": ["last_hidden_state", "hidden_states"],
+                "hidden_states": [[1.0, 2.0, 3.0], [1.0, 2.0, 3.0]],
+            },
+        )
+
+
 def _subprocess_env() -> dict[str, str]:
     env = os.environ.copy()
     # the child imports the same torch and stand-ins module as this process
@@ -647,6 +775,7 @@ print(json.dumps(result))
 
 
 instantiate_parametrized_tests(TestExportPytreeFamily)
+instantiate_parametrized_tests(TestCompilePytreeFamily)
 
 
 if __name__ == "__main__":
