@@ -298,6 +298,40 @@ class TestExportHFModelOutput(TestCase):
         self.assertIs(type(doubled), BaseModelOutputWithPast)
         self.assertEqual(doubled.last_hidden_state, hidden * 2)
 
+    @unittest.skipIf(cxx_pytree is None, "missing optree package")
+    def test_compile_cxx_tree_map_in_fresh_process(self):
+        # A fresh process: transformers is imported, which makes the lazy
+        # ModelOutput family live, but no output was flattened before Dynamo
+        # meets one in a cxx_pytree call.
+        result = _run_python(
+            """
+            import json
+            import torch
+            import torch.utils._cxx_pytree as cxx_pytree
+            import transformers.modeling_outputs as mo
+
+            def fn(o):
+                return cxx_pytree.tree_map(lambda v: v + 1, o)
+
+            x = torch.arange(3.0)
+            o = mo.BaseModelOutput(last_hidden_state=x, hidden_states=(x, x))
+            r = torch.compile(fn, fullgraph=True, backend="eager")(o)
+            print(json.dumps({
+                "type": type(r).__name__,
+                "keys": list(r.keys()),
+                "hidden_states": [t.tolist() for t in r.hidden_states],
+            }))
+            """
+        )
+        self.assertEqual(
+            result,
+            {
+                "type": "BaseModelOutput",
+                "keys": ["last_hidden_state", "hidden_states"],
+                "hidden_states": [[1.0, 2.0, 3.0], [1.0, 2.0, 3.0]],
+            },
+        )
+
     @parametrize("pytree", pytree_params)
     def test_user_model_output_subclass(self, pytree):
         # defined after transformers (and torch) were imported and after the

@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -410,7 +411,12 @@ class TestExportPytreeFamily(TestCase):
             )
         self.assertFalse(result["loaded"])
         name = f"{STAND_INS}.BaseModelOutputLike"
-        self.assertIn(f"Deserializing {name} in pytree is not registered", stderr)
+        # the wording of PyTorch 2.13 and 2.14, and of 2.15
+        self.assertRegex(
+            stderr,
+            rf"Deserializing {re.escape(name)} in pytree (is not registered|failed "
+            "because the serialized type is not registered)",
+        )
 
     @parametrize(
         "case",
