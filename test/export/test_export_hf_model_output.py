@@ -96,6 +96,62 @@ def _run_python(code, *argv, timeout=300):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def check_import_and_build_emit_no_warnings(
+    test: TestCase, import_order: str, use_cache: bool
+) -> None:
+    """Import torch and transformers in ``import_order`` in a fresh process, build
+    and run a tiny BERT and GPT-2 (``use_cache``), flatten their outputs: no
+    warning, no log record of level WARNING or above, only tensor leaves."""
+    first, second = (
+        ("torch", "transformers")
+        if import_order == "torch_first"
+        else ("transformers", "torch")
+    )
+    result = _run_python(
+        f"""
+        import json, logging, warnings
+
+        records = []
+
+        class Collect(logging.Handler):
+            def emit(self, record):
+                records.append(f"{{record.name}}: {{record.getMessage()}}")
+
+        logging.getLogger().addHandler(Collect(level=logging.WARNING))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            import {first}
+            import {second}
+            import torch.utils._pytree as pytree
+            from transformers import (
+                BertConfig, BertModel, GPT2Config, GPT2LMHeadModel
+            )
+
+            torch.manual_seed(0)
+            bert = BertModel(BertConfig(
+                vocab_size=99, hidden_size=32, num_hidden_layers=2,
+                num_attention_heads=2, intermediate_size=37,
+            )).eval()
+            gpt2 = GPT2LMHeadModel(GPT2Config(
+                n_layer=2, n_embd=32, n_head=2, vocab_size=99,
+                bos_token_id=98, eos_token_id=98,
+            )).eval()
+            ids = torch.randint(1, 99, (2, 5))
+            with torch.no_grad():
+                outs = [bert(ids), gpt2(ids, use_cache={use_cache!r})]
+            leaves = [pytree.tree_flatten(o)[0] for o in outs]
+        print(json.dumps({{
+            "warnings": [f"{{w.category.__name__}}: {{w.message}}" for w in caught],
+            "logs": records,
+            "leaf_types": sorted({{type(x).__name__ for ls in leaves for x in ls}}),
+        }}))
+        """
+    )
+    test.assertEqual(result["warnings"], [])
+    test.assertEqual(result["logs"], [])
+    test.assertEqual(result["leaf_types"], ["Tensor"])
+
+
 class _Call(torch.nn.Module):
     """Calls ``model`` with the positional tensors as ``names``, plus constants."""
 
@@ -407,54 +463,7 @@ class TestExportHFModelOutput(TestCase):
 
     @parametrize("import_order", ["torch_first", "transformers_first"])
     def test_import_and_build_emit_no_warnings(self, import_order):
-        first, second = (
-            ("torch", "transformers")
-            if import_order == "torch_first"
-            else ("transformers", "torch")
-        )
-        result = _run_python(
-            f"""
-            import json, logging, warnings
-
-            records = []
-
-            class Collect(logging.Handler):
-                def emit(self, record):
-                    records.append(f"{{record.name}}: {{record.getMessage()}}")
-
-            logging.getLogger().addHandler(Collect(level=logging.WARNING))
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                import {first}
-                import {second}
-                import torch.utils._pytree as pytree
-                from transformers import (
-                    BertConfig, BertModel, GPT2Config, GPT2LMHeadModel
-                )
-
-                torch.manual_seed(0)
-                bert = BertModel(BertConfig(
-                    vocab_size=99, hidden_size=32, num_hidden_layers=2,
-                    num_attention_heads=2, intermediate_size=37,
-                )).eval()
-                gpt2 = GPT2LMHeadModel(GPT2Config(
-                    n_layer=2, n_embd=32, n_head=2, vocab_size=99,
-                    bos_token_id=98, eos_token_id=98,
-                )).eval()
-                ids = torch.randint(1, 99, (2, 5))
-                with torch.no_grad():
-                    outs = [bert(ids), gpt2(ids, use_cache=False)]
-                leaves = [pytree.tree_flatten(o)[0] for o in outs]
-            print(json.dumps({{
-                "warnings": [f"{{w.category.__name__}}: {{w.message}}" for w in caught],
-                "logs": records,
-                "leaf_types": sorted({{type(x).__name__ for ls in leaves for x in ls}}),
-            }}))
-            """
-        )
-        self.assertEqual(result["warnings"], [])
-        self.assertEqual(result["logs"], [])
-        self.assertEqual(result["leaf_types"], ["Tensor"])
+        check_import_and_build_emit_no_warnings(self, import_order, use_cache=False)
 
     def test_zero_cost_when_unused(self):
         result = _run_python(
