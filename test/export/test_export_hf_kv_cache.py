@@ -22,12 +22,8 @@ decode loop with a stand-in cache class.
 import copy
 import importlib.util
 import inspect
-import json
 import os
-import subprocess
-import sys
 import tempfile
-import textwrap
 import unittest
 import warnings
 
@@ -44,9 +40,21 @@ from torch.testing._internal.common_utils import (
 
 
 try:
-    from .test_export_hf_model_output import check_import_and_build_emit_no_warnings
+    from .test_export_hf_model_output import (
+        check_import_and_build_emit_no_warnings,
+        check_model_output_preserved,
+        check_save_load_fresh_process,
+        MODES,
+        run_python,
+    )
 except ImportError:
-    from test_export_hf_model_output import check_import_and_build_emit_no_warnings
+    from test_export_hf_model_output import (
+        check_import_and_build_emit_no_warnings,
+        check_model_output_preserved,
+        check_save_load_fresh_process,
+        MODES,
+        run_python,
+    )
 
 try:
     import torch.utils._cxx_pytree as cxx_pytree
@@ -55,7 +63,6 @@ except ImportError:
 
 try:
     import transformers
-    from transformers.utils import ModelOutput
 
     HAS_TRANSFORMERS = True
 except ImportError:
@@ -334,38 +341,6 @@ def _run_steps(test, run, step, state, tokens):
     return diffs
 
 
-def _subprocess_env():
-    env = os.environ.copy()
-    # the child imports the same torch (PYTHONPATH may point at a patched tree)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    env["HF_HUB_OFFLINE"] = "1"
-    env["TRANSFORMERS_OFFLINE"] = "1"
-    env["TRANSFORMERS_VERBOSITY"] = "error"
-    return env
-
-
-def _run_python(code, *argv, timeout=300):
-    # in an empty directory: with -c, the working directory is on sys.path, and
-    # stray modules in the shared temporary directory must not shadow anything
-    with tempfile.TemporaryDirectory() as cwd:
-        proc = subprocess.run(
-            [sys.executable, "-X", "faulthandler", "-c", textwrap.dedent(code), *argv],
-            check=False,
-            capture_output=True,
-            text=True,
-            env=_subprocess_env(),
-            cwd=cwd,
-            timeout=timeout,
-        )
-    if proc.returncode != 0:
-        raise AssertionError(
-            f"subprocess failed ({proc.returncode}):\n"
-            f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
-        )
-    # the last line of stdout is the JSON result
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 class _Forward(torch.nn.Module):
     """The whole output of ``model`` called with ``use_cache=True``."""
 
@@ -396,31 +371,6 @@ OUTPUT_MODELS = ("gpt2", "t5")
 def _cache_leaf_count(model_name):
     """Tensors in the cache / past_key_values of the tiny configs above (2 layers)."""
     return {"gpt2": 2 * 2, "t5": 2 * 4}[model_name]
-
-
-def _run_export_strict(mod, args):
-    return torch.export.export(mod, args, strict=True).module()(*args)
-
-
-def _run_export_nonstrict(mod, args):
-    return torch.export.export(mod, args, strict=False).module()(*args)
-
-
-def _run_dynamo_export(mod, args):
-    graph_module, _guards = torch._dynamo.export(mod)(*args)
-    return graph_module(*args)
-
-
-def _run_compile(mod, args):
-    return torch.compile(mod, fullgraph=True, backend="eager")(*args)
-
-
-MODES = {
-    "export_strict": _run_export_strict,
-    "export_nonstrict": _run_export_nonstrict,
-    "dynamo_export": _run_dynamo_export,
-    "compile": _run_compile,
-}
 
 
 _LOAD_AND_DECODE = """
@@ -499,7 +449,7 @@ class TestExportHFKVCache(TestCase):
                 torch.export.save(ep, os.path.join(tmp, f"{case}.pt2"))
                 torch.save((tokens[1:], state), os.path.join(tmp, f"{case}.in.pt"))
                 expected[case] = _eager_steps(step, state, tokens[1:])
-            result = _run_python(_LOAD_AND_DECODE, tmp, *cases)
+            result = run_python(_LOAD_AND_DECODE, tmp, *cases)
             self.assertEqual(result["steps"], dict.fromkeys(cases, STEPS))
             for case in cases:
                 outputs = torch.load(
@@ -543,7 +493,7 @@ class TestExportHFKVCache(TestCase):
         # the family; ShapesCollection (after executorch's helper) and
         # AdditionalInputs (after the exporters' one) follow whichever is used.
         # In a subprocess: the registrations are global and cannot be undone.
-        result = _run_python(
+        result = run_python(
             _AFTER_HELPER,
             helper,
             os.path.dirname(os.path.abspath(__file__)),
@@ -607,32 +557,11 @@ class TestExportHFModelOutputWithCache(TestCase):
         super().setUp()
         torch._dynamo.reset()
 
-    def assertSameOutput(self, expected, actual):
-        self.assertIsInstance(expected, ModelOutput)
-        self.assertIs(type(actual), type(expected))
-        self.assertEqual(list(actual.keys()), list(expected.keys()))
-        expected_leaves, expected_spec = py_pytree.tree_flatten(expected)
-        actual_leaves, actual_spec = py_pytree.tree_flatten(actual)
-        # nested caches / past_key_values are flattened too: every leaf is a tensor
-        for leaf in expected_leaves + actual_leaves:
-            self.assertIsInstance(leaf, torch.Tensor)
-        self.assertEqual(actual_spec, expected_spec)
-        self.assertEqual(len(actual_leaves), len(expected_leaves))
-        for a, e in zip(actual_leaves, expected_leaves):
-            self.assertEqual(a, e, atol=1e-5, rtol=1e-5)
-
     @parametrize("model_name", OUTPUT_MODELS)
     @parametrize("mode", list(MODES))
     def test_model_output_preserved(self, model_name, mode):
         mod, args = _model_with_cache(model_name)
-        with torch.no_grad():
-            expected = mod(*args)
-            with warnings.catch_warnings():
-                # tracing-time deprecation chatter from transformers / export is
-                # not what is tested here
-                warnings.simplefilter("ignore")
-                actual = MODES[mode](mod, args)
-        self.assertSameOutput(expected, actual)
+        expected = check_model_output_preserved(self, mod, args, mode)
         # the cache (tuples of tensors in 4.31, a Cache object in 5.x) is
         # flattened into its tensors too
         tensor_fields = len(expected) - 1
@@ -643,50 +572,7 @@ class TestExportHFModelOutputWithCache(TestCase):
 
     @parametrize("model_name", OUTPUT_MODELS)
     def test_save_load_fresh_process(self, model_name):
-        mod, args = _model_with_cache(model_name)
-        with torch.no_grad():
-            expected = mod(*args)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                ep = torch.export.export(mod, args, strict=False)
-        expected_leaves, expected_spec = py_pytree.tree_flatten(expected)
-        with tempfile.TemporaryDirectory() as tmp:
-            ep_path = os.path.join(tmp, "model.pt2")
-            args_path = os.path.join(tmp, "args.pt")
-            leaves_path = os.path.join(tmp, "leaves.pt")
-            torch.export.save(ep, ep_path)
-            torch.save(args, args_path)
-            result = _run_python(
-                """
-                import json, sys
-                import torch, transformers
-
-                assert "transformers.modeling_outputs" not in sys.modules
-                ep = torch.export.load(sys.argv[1])
-                out = ep.module()(*torch.load(sys.argv[2]))
-
-                import torch.utils._pytree as pytree
-                leaves, spec = pytree.tree_flatten(out)
-                torch.save(leaves, sys.argv[3])
-                print(json.dumps({
-                    "type": f"{type(out).__module__}.{type(out).__qualname__}",
-                    "keys": list(out.keys()),
-                    "spec": pytree.treespec_dumps(spec),
-                }))
-                """,
-                ep_path,
-                args_path,
-                leaves_path,
-            )
-            leaves = torch.load(leaves_path)
-        self.assertEqual(
-            result["type"], f"{type(expected).__module__}.{type(expected).__qualname__}"
-        )
-        self.assertEqual(result["keys"], list(expected.keys()))
-        self.assertEqual(py_pytree.treespec_loads(result["spec"]), expected_spec)
-        self.assertEqual(len(leaves), len(expected_leaves))
-        for a, e in zip(leaves, expected_leaves):
-            self.assertEqual(a, e, atol=1e-5, rtol=1e-5)
+        check_save_load_fresh_process(self, *_model_with_cache(model_name))
 
     @parametrize("import_order", ["torch_first", "transformers_first"])
     def test_import_and_build_emit_no_warnings(self, import_order):
@@ -834,7 +720,7 @@ class TestHFCacheSpecLoading(TestCase):
     def test_crafted_context_is_refused(self):
         # In a fresh process, so that what a crafted spec could import is not
         # imported yet (torch._inductor, the BERT modeling module).
-        result = _run_python(_CRAFTED_SPECS)
+        result = run_python(_CRAFTED_SPECS)
         self.assertTrue(result["pytrees"])
         self.assertEqual(len(result["cases"]), 4 * len(result["pytrees"]))
         for case in result["cases"]:

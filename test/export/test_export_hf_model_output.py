@@ -77,16 +77,20 @@ def _subprocess_env():
     return env
 
 
-def _run_python(code, *argv, timeout=300):
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code), *argv],
-        check=False,
-        capture_output=True,
-        text=True,
-        env=_subprocess_env(),
-        cwd=tempfile.gettempdir(),
-        timeout=timeout,
-    )
+def run_python(code, *argv, timeout=300):
+    """Run ``code`` in a fresh Python process; its last line of stdout, as JSON."""
+    # in an empty directory: with -c, the working directory is on sys.path, and
+    # stray modules in the shared temporary directory must not shadow anything
+    with tempfile.TemporaryDirectory() as cwd:
+        proc = subprocess.run(
+            [sys.executable, "-X", "faulthandler", "-c", textwrap.dedent(code), *argv],
+            check=False,
+            capture_output=True,
+            text=True,
+            env=_subprocess_env(),
+            cwd=cwd,
+            timeout=timeout,
+        )
     if proc.returncode != 0:
         raise AssertionError(
             f"subprocess failed ({proc.returncode}):\n"
@@ -107,7 +111,7 @@ def check_import_and_build_emit_no_warnings(
         if import_order == "torch_first"
         else ("transformers", "torch")
     )
-    result = _run_python(
+    result = run_python(
         f"""
         import json, logging, warnings
 
@@ -253,86 +257,102 @@ MODES = {
 }
 
 
+def assert_same_model_output(test: TestCase, expected, actual) -> None:
+    """``actual`` is a ModelOutput of ``expected``'s class, with the same keys,
+    the same spec and the same tensor leaves (nested caches flattened too)."""
+    test.assertIsInstance(expected, ModelOutput)
+    test.assertIs(type(actual), type(expected))
+    test.assertEqual(list(actual.keys()), list(expected.keys()))
+    expected_leaves, expected_spec = py_pytree.tree_flatten(expected)
+    actual_leaves, actual_spec = py_pytree.tree_flatten(actual)
+    for leaf in expected_leaves + actual_leaves:
+        test.assertIsInstance(leaf, torch.Tensor)
+    test.assertEqual(actual_spec, expected_spec)
+    test.assertEqual(len(actual_leaves), len(expected_leaves))
+    for a, e in zip(actual_leaves, expected_leaves):
+        test.assertEqual(a, e, atol=1e-5, rtol=1e-5)
+
+
+def check_model_output_preserved(test: TestCase, mod, args, mode: str):
+    """``mod(*args)`` through ``MODES[mode]`` returns what eager does; returns
+    the eager output."""
+    with torch.no_grad():
+        expected = mod(*args)
+        with warnings.catch_warnings():
+            # tracing-time deprecation chatter from transformers / export is
+            # not what is tested here
+            warnings.simplefilter("ignore")
+            actual = MODES[mode](mod, args)
+    assert_same_model_output(test, expected, actual)
+    return expected
+
+
+def check_save_load_fresh_process(test: TestCase, mod, args) -> None:
+    """A program exported from ``mod`` and saved loads and runs in a fresh
+    process that only imported torch and transformers, and returns the same
+    ModelOutput class, keys, spec and values."""
+    with torch.no_grad():
+        expected = mod(*args)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ep = torch.export.export(mod, args, strict=False)
+    expected_leaves, expected_spec = py_pytree.tree_flatten(expected)
+    with tempfile.TemporaryDirectory() as tmp:
+        ep_path = os.path.join(tmp, "model.pt2")
+        args_path = os.path.join(tmp, "args.pt")
+        leaves_path = os.path.join(tmp, "leaves.pt")
+        torch.export.save(ep, ep_path)
+        torch.save(args, args_path)
+        result = run_python(
+            """
+            import json, sys
+            import torch, transformers
+
+            assert "transformers.modeling_outputs" not in sys.modules
+            ep = torch.export.load(sys.argv[1])
+            out = ep.module()(*torch.load(sys.argv[2]))
+
+            import torch.utils._pytree as pytree
+            leaves, spec = pytree.tree_flatten(out)
+            torch.save(leaves, sys.argv[3])
+            print(json.dumps({
+                "type": f"{type(out).__module__}.{type(out).__qualname__}",
+                "keys": list(out.keys()),
+                "spec": pytree.treespec_dumps(spec),
+            }))
+            """,
+            ep_path,
+            args_path,
+            leaves_path,
+        )
+        leaves = torch.load(leaves_path)
+    test.assertEqual(
+        result["type"], f"{type(expected).__module__}.{type(expected).__qualname__}"
+    )
+    test.assertEqual(result["keys"], list(expected.keys()))
+    test.assertEqual(py_pytree.treespec_loads(result["spec"]), expected_spec)
+    test.assertEqual(len(leaves), len(expected_leaves))
+    for a, e in zip(leaves, expected_leaves):
+        test.assertEqual(a, e, atol=1e-5, rtol=1e-5)
+
+
 @requires_transformers
 class TestExportHFModelOutput(TestCase):
     def setUp(self):
         super().setUp()
         torch._dynamo.reset()
 
-    def assertSameOutput(self, expected, actual):
-        self.assertIsInstance(expected, ModelOutput)
-        self.assertIs(type(actual), type(expected))
-        self.assertEqual(list(actual.keys()), list(expected.keys()))
-        expected_leaves, expected_spec = py_pytree.tree_flatten(expected)
-        actual_leaves, actual_spec = py_pytree.tree_flatten(actual)
-        for leaf in expected_leaves + actual_leaves:
-            self.assertIsInstance(leaf, torch.Tensor)
-        self.assertEqual(actual_spec, expected_spec)
-        self.assertEqual(len(actual_leaves), len(expected_leaves))
-        for a, e in zip(actual_leaves, expected_leaves):
-            self.assertEqual(a, e, atol=1e-5, rtol=1e-5)
-
     @parametrize("model_name", list(MODELS))
     @parametrize("mode", list(MODES))
     def test_model_output_preserved(self, model_name, mode):
         mod, args = _build(model_name)
-        with torch.no_grad():
-            expected = mod(*args)
-            with warnings.catch_warnings():
-                # tracing-time deprecation chatter from transformers / export is
-                # not what is tested here
-                warnings.simplefilter("ignore")
-                actual = MODES[mode](mod, args)
-        self.assertSameOutput(expected, actual)
+        expected = check_model_output_preserved(self, mod, args, mode)
         # without a cache, every field that is set is one tensor
         self.assertEqual(py_pytree.tree_flatten(expected)[1].num_leaves, len(expected))
 
     @parametrize("model_name", list(MODELS))
     def test_save_load_fresh_process(self, model_name):
-        mod, args = _build(model_name)
-        with torch.no_grad():
-            expected = mod(*args)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                ep = torch.export.export(mod, args, strict=False)
-        expected_leaves, expected_spec = py_pytree.tree_flatten(expected)
-        with tempfile.TemporaryDirectory() as tmp:
-            ep_path = os.path.join(tmp, "model.pt2")
-            args_path = os.path.join(tmp, "args.pt")
-            leaves_path = os.path.join(tmp, "leaves.pt")
-            torch.export.save(ep, ep_path)
-            torch.save(args, args_path)
-            result = _run_python(
-                """
-                import json, sys
-                import torch, transformers
-
-                assert "transformers.modeling_outputs" not in sys.modules
-                ep = torch.export.load(sys.argv[1])
-                out = ep.module()(*torch.load(sys.argv[2]))
-
-                import torch.utils._pytree as pytree
-                leaves, spec = pytree.tree_flatten(out)
-                torch.save(leaves, sys.argv[3])
-                print(json.dumps({
-                    "type": f"{type(out).__module__}.{type(out).__qualname__}",
-                    "keys": list(out.keys()),
-                    "spec": pytree.treespec_dumps(spec),
-                }))
-                """,
-                ep_path,
-                args_path,
-                leaves_path,
-            )
-            leaves = torch.load(leaves_path)
-        self.assertEqual(
-            result["type"], f"{type(expected).__module__}.{type(expected).__qualname__}"
-        )
-        self.assertEqual(result["keys"], list(expected.keys()))
-        self.assertEqual(py_pytree.treespec_loads(result["spec"]), expected_spec)
-        self.assertEqual(len(leaves), len(expected_leaves))
-        for a, e in zip(leaves, expected_leaves):
-            self.assertEqual(a, e, atol=1e-5, rtol=1e-5)
+        check_save_load_fresh_process(self, *_build(model_name))
 
     @parametrize("pytree", pytree_params)
     def test_model_output_round_trip(self, pytree):
@@ -359,7 +379,7 @@ class TestExportHFModelOutput(TestCase):
         # A fresh process: transformers is imported, which makes the lazy
         # ModelOutput family live, but no output was flattened before Dynamo
         # meets one in a cxx_pytree call.
-        result = _run_python(
+        result = run_python(
             """
             import json
             import torch
@@ -466,7 +486,7 @@ class TestExportHFModelOutput(TestCase):
         check_import_and_build_emit_no_warnings(self, import_order, use_cache=False)
 
     def test_zero_cost_when_unused(self):
-        result = _run_python(
+        result = run_python(
             """
             import dataclasses, importlib.util, json, sys
             from collections import OrderedDict, namedtuple
