@@ -12,6 +12,7 @@ import collections
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import nox
@@ -346,7 +347,9 @@ def lint(session: nox.Session) -> None:
     `git am` to a tree of the stock torch 2.13.0 files, and runs, on every file it touches, what
     PyTorch's CI runs: RUFF, FLAKE8, PYFMT (isort, then usort, then ruff format), mypy strict (the
     MYPYSTRICT files) and pyrefly, at upstream's pinned versions. The same runs on the stock files
-    give the baseline; the session fails on any finding the patched files add. Settings: PyTorch's
+    give the baseline; the session fails on any finding the patched files add. Then every
+    exported commit alone: the files it touches, as they are at that commit, against the same
+    baseline (a commit that is clean only once a later one lands fails). Settings: PyTorch's
     (written down below), or a PyTorch checkout's own with `nox -s lint -- --pytorch-root DIR`.
     """
     pytorch_root = None
@@ -362,6 +365,25 @@ def lint(session: nox.Session) -> None:
         _lint_trees(session, config, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _gate_findings(
+    session: nox.Session,
+    gate: str,
+    cmd: tuple[str, ...],
+    checks: Callable[[str], bool],
+    tree: Path,
+    files: list[str],
+) -> collections.Counter[str]:
+    """One gate's findings on those of ``files`` it checks and ``tree`` has."""
+    present = [f for f in files if checks(f) and (tree / f).is_file()]
+    if not present:
+        return collections.Counter()
+    with session.chdir(tree):
+        output = session.run(*cmd, *present, silent=True, success_codes=[0, 1])
+    if "Traceback (most recent call last)" in output:
+        session.error(f"{gate} crashed on the files of {tree.name}:\n{output}")
+    return _findings(output)
 
 
 def _lint_trees(session: nox.Session, config: dict[str, str], work: Path) -> None:
@@ -448,20 +470,46 @@ def _lint_trees(session: nox.Session, config: dict[str, str], work: Path) -> Non
             lambda f: f.startswith("torch/"),
         ),
     }
+    stock: dict[str, collections.Counter[str]] = {}
     for gate, (cmd, checks) in gates.items():
-        results = {}
-        for name, tree in trees.items():
-            present = [f for f in files if checks(f) and (tree / f).is_file()]
-            with session.chdir(tree):
-                output = session.run(*cmd, *present, silent=True, success_codes=[0, 1])
-            if "Traceback (most recent call last)" in output:
-                session.error(f"{gate} crashed on the {name} files:\n{output}")
-            results[name] = _findings(output)
+        results = {
+            name: _gate_findings(session, gate, cmd, checks, tree, files)
+            for name, tree in trees.items()
+        }
+        stock[gate] = results["stock"]
         new[gate] = results["patched"] - results["stock"]
         counts = {name: sum(found.values()) for name, found in results.items()}
         session.log(
             f"{gate}: stock {counts['stock']}, patched {counts['patched']}, new {sum(new[gate].values())}"
         )
+    # Each commit alone: the files it touches, as they are at that commit (a later commit
+    # must not be what makes an earlier one clean).
+    commits = session.run(
+        *git, "-C", dev, "rev-list", "--reverse", "v2.13.0..exported",
+        silent=True, external=True,
+    ).split()
+    for k, commit in enumerate(commits, 1):
+        at = work / f"commit-{k}"
+        session.run(
+            *git, "-C", dev, "worktree", "add", "-q", "--detach", str(at), commit,
+            external=True,
+        )
+        for filename, text in config.items():
+            (at / filename).write_text(text)
+        changed = session.run(
+            *git, "-C", dev, "diff", "--name-only", f"{commit}~1", commit,
+            silent=True, external=True,
+        )
+        own = sorted(f for f in changed.split() if f.endswith(".py"))
+        found = 0
+        for gate, (cmd, checks) in gates.items():
+            extra = _gate_findings(session, gate, cmd, checks, at, own) - stock[gate]
+            found += sum(extra.values())
+            new[gate] += collections.Counter(
+                {f"commit {k}: {finding}": n for finding, n in extra.items()}
+            )
+        session.log(f"commit {k}: {len(own)} Python files, new findings {found}")
+        shutil.rmtree(at, ignore_errors=True)
     failures = [
         f"{gate}: {finding}" for gate, found in new.items() for finding in sorted(found)
     ]
