@@ -630,6 +630,10 @@ _STR_KEYS = st.sampled_from(("a", "b", "c", "", "key", "\u00e9", "0"))
 
 
 def _make_deque(items: list, extra: int | None) -> deque:
+    if TEST_WITH_TORCHDYNAMO:
+        # a deque that a compiled tree_unflatten rebuilds loses its maxlen (stock
+        # Dynamo), so under Dynamo the deques here have none
+        extra = None
     return deque(items, maxlen=None if extra is None else len(items) + extra)
 
 
