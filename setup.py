@@ -16,14 +16,17 @@ _TEST_CORE = [
 setup(
     name="torch_patch",
     version="0.1.0",
-    description="Pytree families for PyTorch 2.13.0, shipped as a git patch series, and the torch-patch tool",
+    description="Pytree families for PyTorch 2.13, 2.14 and 2.15, shipped as git patch series, and the torch-patch tool",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     packages=["torch_patch"],
-    package_data={"torch_patch": ["patches/series", "patches/*.patch"]},
+    # one series per release line: patches/<line>/series and its patches
+    package_data={"torch_patch": ["patches/*/series", "patches/*/*.patch"]},
     include_package_data=False,
     python_requires=">=3.10",
-    install_requires=["torch==2.13.0"],
+    # the release lines with a series (torch_patch/patches/<line>/); pin the release you want
+    # (pip would take the newest, a CUDA build of several GB)
+    install_requires=["torch>=2.13.0,<2.16"],
     extras_require={
         # everything the tests need but transformers and diffusers, as in
         # PyTorch's CI (nox -s tests-ci-pins)

@@ -8,7 +8,9 @@ import sys
 from typing import List, Optional
 
 from . import core
-from .core import EXPECTED_TORCH_VERSION, TorchPatchError
+from .core import EXPECTED_TORCH_VERSION, RELEASE_LINES, TorchPatchError, supported_releases
+
+_LINES = ", ".join(f"{line}/" for line in RELEASE_LINES)
 
 EXIT_CODES = f"""\
 exit codes (all verbs):
@@ -16,7 +18,8 @@ exit codes (all verbs):
   1  status: not applied
   2  the files are neither stock nor fully patched: modified after apply, partly applied
      (status; revert refuses to discard edits without --force)
-  3  base mismatch: the target is not torch {EXPECTED_TORCH_VERSION}, or torch is not installed there
+  3  base mismatch: the target is not {supported_releases()} (any patch release of those lines
+     whose files take the series), or torch is not installed there
      (only leftovers: `torch-patch revert` removes them)
   4  status: interrupted (an apply/revert was killed midway; apply finishes it, revert rolls it back)
   5  error (one line on stderr naming the problem and the fix; nothing was changed, unless it
@@ -38,7 +41,8 @@ TRUST_HELP = ("state.json and journal.json (in the state dir) are checked before
 
 TARGET_HELP = ("a PyTorch checkout root (torch/__init__.py + .git), or a directory containing an installed "
                "torch/ package such as a venv's site-packages (default: the torch this Python imports)")
-SERIES_HELP = "directory with a `series` file and its patches (default: the series shipped in torch_patch)"
+SERIES_HELP = ("directory with a `series` file and its patches (default: the series shipped in torch_patch "
+               "for the target's release line: torch_patch/patches/<line>/, one of " + _LINES + ")")
 
 
 class _Formatter(argparse.RawDescriptionHelpFormatter):
@@ -54,9 +58,10 @@ class _Parser(argparse.ArgumentParser):
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="torch-patch", formatter_class=_Formatter,
-        description=f"Apply the pytree-family patch series to PyTorch {EXPECTED_TORCH_VERSION} "
-                    f"(a checkout or an installed torch), revert it exactly, report its state, "
-                    f"export it for upstream, and develop it in a dev tree.",
+        description=f"Apply the pytree-family patch series to PyTorch (a checkout or an installed torch), "
+                    f"revert it exactly, report its state, export it for upstream, and develop it in a "
+                    f"dev tree. There is one series per release line: {supported_releases()}; the "
+                    f"target's torch version picks it.",
         epilog=EXIT_CODES)
     sub = p.add_subparsers(dest="verb", metavar="VERB", parser_class=_Parser)
     sub.required = True
@@ -106,11 +111,12 @@ def _parser() -> argparse.ArgumentParser:
                        description="Print one of: `not applied`, `applied (<patches>)`, `modified after "
                                    "apply (<files>)`, `modified (<files>: ...)`, `partly applied (...)`, "
                                    "`interrupted (...)`, `base mismatch: found torch X, expected "
-                                   f"{EXPECTED_TORCH_VERSION}`, `not installed: ...` (torch uninstalled, "
+                                   "torch ...`, `not installed: ...` (torch uninstalled, "
                                    "leftovers remain); a note after ` — ` says more (stale records, "
                                    "leftover files, applied by other means). Changes nothing.\n\n"
                                    + STATE_HELP + "\n\n--json fields: state, message, code, target, kind, "
-                                   "torch_version, expected_torch_version, patches, modified_files, "
+                                   "torch_version, release_line, expected_torch_version (the release "
+                                   "the line's series was made from), supported_releases, patches, modified_files, "
                                    "series_current, applied_by (torch-patch | other | null), leftovers, "
                                    "state_dir, and stock_files: {path in the target: absolute path of an "
                                    "on-disk copy of its stock version} for every file the series touches "
@@ -121,8 +127,8 @@ def _parser() -> argparse.ArgumentParser:
 
     f = sub.add_parser("stock-file", formatter_class=_Formatter, epilog=EXIT_CODES,
                        help="print the path of the stock version of a torch file (e.g. a benchmark baseline)",
-                       description="Print the absolute path of an on-disk copy of the stock torch "
-                                   f"{EXPECTED_TORCH_VERSION} version of PATH: the original that apply "
+                       description="Print the absolute path of an on-disk copy of the stock "
+                                   "version of PATH: the original that apply "
                                    "kept if the file is patched, else the file itself (checked against "
                                    "the wheel's RECORD). For example:\n"
                                    "  python benchmarks/pytree/pytree_bench.py --baseline "
@@ -139,8 +145,10 @@ def _parser() -> argparse.ArgumentParser:
                                    "Plan names first (a benchmark with its directory, a test with the modules "
                                    "of its directory it imports), then one commit with the tests and one with "
                                    "the benchmarks that no Test Plan names, if any, as "
-                                   "`git format-patch` files and a `series`, to OUTDIR. On a PyTorch "
-                                   f"v{EXPECTED_TORCH_VERSION} checkout: git am --keep-non-patch OUTDIR/*.patch")
+                                   "`git format-patch` files and a `series`, to OUTDIR. The series is "
+                                   "the one of the release line of the torch the stock files come from "
+                                   f"(--from; e.g. v{EXPECTED_TORCH_VERSION}). On a PyTorch checkout of "
+                                   "that release: git am --keep-non-patch OUTDIR/*.patch")
     e.add_argument("outdir", metavar="OUTDIR")
     e.add_argument("--force", action="store_true", help="write into a non-empty OUTDIR (replaces its patches)")
     e.add_argument("--repo", metavar="DIR", help="torch_patch repository checkout holding test/ and benchmarks/ "
@@ -156,17 +164,20 @@ def _parser() -> argparse.ArgumentParser:
                        help="create a dev tree, or export its commits back into torch_patch/patches",
                        description="`dev DIR`: copy the installed torch package (stock files, verified "
                                    "against the wheel's RECORD, no __pycache__) to DIR/torch, git-track only "
-                                   f"*.py, commit it as tag v{EXPECTED_TORCH_VERSION} (fixed identity/date) "
-                                   "and `git am` the series, so `PYTHONPATH=DIR python` imports the patched "
-                                   "torch.\n`dev --export [DIR]`: regenerate torch_patch/patches/ from "
-                                   f"`git format-patch v{EXPECTED_TORCH_VERSION}..HEAD` in DIR (default: "
-                                   "$TORCH_PATCH_DEV); byte-stable, refuses uncommitted changes.")
+                                   "*.py, commit it as tag v<its release> (e.g. v2.14.1; fixed identity/date) "
+                                   "and `git am` the series of that release line, so `PYTHONPATH=DIR python` "
+                                   "imports the patched torch.\n`dev --export [DIR]`: regenerate "
+                                   "torch_patch/patches/<line>/ (the line of DIR's v<release> tag) from "
+                                   "`git format-patch v<release>..HEAD` in DIR (default: $TORCH_PATCH_DEV); "
+                                   "byte-stable, refuses uncommitted changes. A patch that is the same change "
+                                   "as one of an earlier line (but for line numbers and blob hashes) is not "
+                                   "written again: the series names that file (../2.13/NAME).")
     d.add_argument("dir", nargs="?", metavar="DIR")
     d.add_argument("--export", action="store_true", help="export the dev tree's commits as the series")
     d.add_argument("--from", dest="source", metavar="TARGET",
                    help="installed torch to copy (default: the torch this Python imports)")
     d.add_argument("--patches-dir", metavar="DIR",
-                   help="with --export: where to write (default: torch_patch/patches of this checkout)")
+                   help="with --export: where to write (default: torch_patch/patches/<line> of this checkout)")
     d.add_argument("--series", metavar="DIR", help=SERIES_HELP + " (to create the dev tree)")
     return p
 

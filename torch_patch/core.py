@@ -54,7 +54,14 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
-EXPECTED_TORCH_VERSION = "2.13.0"
+# The PyTorch release lines with a series, and the release each was generated from (its dev
+# tree's base). A target of another patch release of a line gets that line's series, if its files
+# take it.
+RELEASE_LINES: Dict[str, str] = {"2.13": "2.13.0", "2.14": "2.14.1", "2.15": "2.15.0"}
+DEFAULT_LINE = "2.13"  # for messages that name no target
+EXPECTED_TORCH_VERSION = RELEASE_LINES[DEFAULT_LINE]
+# One directory per release line (patches/2.13/series, ...). A series entry may name a patch of
+# another line (`../2.13/0002-....patch`) that applies unchanged: one file, not a copy per line.
 PATCHES_DIR = Path(__file__).resolve().parent / "patches"
 STATE_FORMAT = 1
 
@@ -272,6 +279,25 @@ def patch_files(text: str) -> List[str]:
     return list(files)
 
 
+def release_line(version: Optional[str]) -> Optional[str]:
+    """The supported release line of a torch version ("2.14" for "2.14.1+cu130", "2.14.0" or
+    "2.14.0a0"), or None."""
+    m = re.match(r"(\d+)\.(\d+)\.\d+", version or "")
+    line = f"{m.group(1)}.{m.group(2)}" if m else None
+    return line if line in RELEASE_LINES else None
+
+
+def series_dir_for(line: Optional[str]) -> Path:
+    """The shipped series of a release line (default: the 2.13 line)."""
+    return PATCHES_DIR / (line or DEFAULT_LINE)
+
+
+def supported_releases() -> str:
+    """"torch 2.13 (2.13.0), 2.14 (2.14.1) or 2.15 (2.15.0)", for messages."""
+    items = [f"{line} ({release})" for line, release in RELEASE_LINES.items()]
+    return "torch " + ", ".join(items[:-1]) + " or " + items[-1]
+
+
 def read_series_names(series_dir: Path) -> List[str]:
     series_file = series_dir / "series"
     try:
@@ -287,13 +313,17 @@ def read_series_names(series_dir: Path) -> List[str]:
     return names
 
 
-def load_series(series_dir: Optional[os.PathLike] = None, *, library_only: bool = True) -> Series:
-    """Read ``series`` and the patches it names; ``id`` is a sha256 over names and contents."""
-    series_dir = Path(series_dir) if series_dir is not None else PATCHES_DIR
+def load_series(series_dir: Optional[os.PathLike] = None, *, library_only: bool = True,
+                line: Optional[str] = None) -> Series:
+    """Read ``series`` and the patches it names; ``id`` is a sha256 over names and contents.
+    ``series_dir`` defaults to the shipped series of release ``line`` (default: 2.13). An entry
+    may be a path relative to ``series_dir`` (``../2.13/NAME``); the patch is called NAME."""
+    series_dir = Path(series_dir) if series_dir is not None else series_dir_for(line)
     h = hashlib.sha256()
     patches = []
-    for name in read_series_names(series_dir):
-        path = series_dir / name
+    for entry in read_series_names(series_dir):
+        path = series_dir / entry
+        name = Path(entry).name
         try:
             data = path.read_bytes()
         except FileNotFoundError:
@@ -480,9 +510,9 @@ def read_torch_version(root: Path) -> Optional[str]:
 
 
 def base_version_ok(version: Optional[str]) -> bool:
-    # "2.13.0a0" is what version.txt of an unbuilt checkout of the release branch may say
-    return version is not None and version.split("+", 1)[0] in (EXPECTED_TORCH_VERSION,
-                                                                EXPECTED_TORCH_VERSION + "a0")
+    # any patch release of a supported line, or "2.13.0a0", what version.txt of an unbuilt
+    # checkout of the release branch may say; whether its files take the series is for apply
+    return release_line(version) is not None
 
 
 def _leftovers(t: Target) -> List[str]:
@@ -502,7 +532,7 @@ def _torch_missing_message(t: Target) -> str:
     return (f"torch is not installed in {t.root} (no torch/__init__.py: `pip uninstall torch`?), but "
             f"files torch-patch wrote are left: {shown or 'none'}; with them `import torch` finds an empty "
             f"namespace package: run `torch-patch revert {t.root}` to remove them, then reinstall "
-            f"torch=={EXPECTED_TORCH_VERSION} if you want it (next time, revert before uninstalling)")
+            f"torch if you want it (next time, revert before uninstalling)")
 
 
 def check_base(t: Target) -> str:
@@ -514,10 +544,25 @@ def check_base(t: Target) -> str:
                               f"torch-*.dist-info/METADATA or version.txt)", EXIT_BASE_MISMATCH)
     if not base_version_ok(version):
         raise TorchPatchError(
-            f"base mismatch: found torch {version} at {t.root}, expected {EXPECTED_TORCH_VERSION}; "
-            f"install torch=={EXPECTED_TORCH_VERSION} or use a v{EXPECTED_TORCH_VERSION} checkout",
-            EXIT_BASE_MISMATCH)
+            f"base mismatch: found torch {version} at {t.root}, expected {supported_releases()}; "
+            f"install one of them (pip install torch=={EXPECTED_TORCH_VERSION}) or use a checkout of "
+            f"one of those tags", EXIT_BASE_MISMATCH)
     return version
+
+
+def target_release(t: Target) -> str:
+    """The target's torch release without a local suffix ("2.14.1"), for messages; the default
+    line's release when it cannot be told or is not supported."""
+    version = None if t.torch_missing else read_torch_version(t.root)
+    if release_line(version) is None:
+        return EXPECTED_TORCH_VERSION
+    return (version or "").split("+", 1)[0]
+
+
+def target_line(t: Target) -> str:
+    """The release line whose series fits the target (the default one if it has none)."""
+    version = None if t.torch_missing else read_torch_version(t.root)
+    return release_line(version) or DEFAULT_LINE
 
 
 # --------------------------------------------------------------------------------------------
@@ -1027,7 +1072,7 @@ class _Exam:
                 raise TorchPatchError(
                     f"patch {p.name} does not apply to {self.t.root}: {describe_apply_failure(p, stderr)}, "
                     f"although {v.rel} is the stock file (per {v.by}); the series does not fit torch "
-                    f"{EXPECTED_TORCH_VERSION} (regenerate it with `torch-patch dev --export`) — nothing was changed")
+                    f"{target_release(self.t)} (regenerate it with `torch-patch dev --export`) — nothing was changed")
             v.patched_src, v.patched_sha = out, sha256_file(out) if out else None
         return v.patched_src, v.patched_sha  # type: ignore[return-value]
 
@@ -1064,7 +1109,7 @@ class _Exam:
                 return Summary(EXIT_MODIFIED, MODIFIED_AFTER_APPLY, f"modified after apply ({bad_txt})",
                                list(recs["patches"]), bad, current, "torch-patch")
             return Summary(EXIT_MODIFIED, MODIFIED,
-                           f"modified ({bad_txt}: neither the stock torch {EXPECTED_TORCH_VERSION} file "
+                           f"modified ({bad_txt}: neither the stock torch {target_release(self.t)} file "
                            f"nor patched by the series; `torch-patch apply` names the hunk that does not fit)",
                            [], bad, None, None)
         series_views = [self.files[rel] for rel in series.files]
@@ -1174,7 +1219,7 @@ def _commit(t: Target, journal: dict) -> int:
         if cur != rec["before"]:
             raise TorchPatchError(
                 f"{dst} changed while an interrupted {journal['op']} was pending (sha256 {cur}); "
-                f"reinstall torch=={EXPECTED_TORCH_VERSION} and delete {t.state_dir}")
+                f"reinstall torch=={target_release(t)} and delete {t.state_dir}")
         t.changed = True
         if rec["after"] is None:
             dst.unlink()
@@ -1182,7 +1227,7 @@ def _commit(t: Target, journal: dict) -> int:
             src = _stage_src(stage, journal, rel, _journal_fix(t))
             if sha256_file(src) != rec["after"]:
                 raise TorchPatchError(f"staged copy {src} is missing or damaged; reinstall "
-                                      f"torch=={EXPECTED_TORCH_VERSION} and delete {t.state_dir}")
+                                      f"torch=={target_release(t)} and delete {t.state_dir}")
             dst.parent.mkdir(parents=True, exist_ok=True)
             _keep_owner(src, dst)
             os.replace(src, dst)
@@ -1335,7 +1380,7 @@ def _rollback_apply(t: Target, journal: dict) -> None:
             continue
         if cur != rec["after"]:
             raise TorchPatchError(f"{dst} changed while an interrupted apply was pending; reinstall "
-                                  f"torch=={EXPECTED_TORCH_VERSION} and delete {t.state_dir}")
+                                  f"torch=={target_release(t)} and delete {t.state_dir}")
         if rec["before"] is None:
             t.changed = True
             dst.unlink()
@@ -1347,7 +1392,7 @@ def _rollback_apply(t: Target, journal: dict) -> None:
         _copy_file(orig, tmp)
         if sha256_file(tmp) != rec["before"]:
             raise TorchPatchError(f"saved original {orig} is damaged; reinstall "
-                                  f"torch=={EXPECTED_TORCH_VERSION} and delete {t.state_dir}")
+                                  f"torch=={target_release(t)} and delete {t.state_dir}")
         _keep_owner(tmp, dst)
         t.changed = True
         os.replace(tmp, dst)
@@ -1402,7 +1447,7 @@ def _check_original(t: Target, v: FileView) -> Optional[Path]:
     src = _inside(t.state_dir, "orig/" + v.rel, _state_fix(t))
     if sha256_file(src) != v.stock_sha:
         raise TorchPatchError(f"saved original {src} is missing or damaged; reinstall "
-                              f"torch=={EXPECTED_TORCH_VERSION} (pip install --force-reinstall) "
+                              f"torch=={target_release(t)} (pip install --force-reinstall) "
                               f"and delete {t.state_dir}")
     return src
 
@@ -1464,7 +1509,7 @@ def _revert_files(t: Target, exam: _Exam, force: bool, stage: Path, log: Log) ->
         raise TorchPatchError(
             f"the series is committed in {t.root} (HEAD has the patched files, e.g. after `git am`); "
             f"`torch-patch revert` only undoes working-tree changes: remove the commits with git "
-            f"(`git revert`, or `git reset --hard v{EXPECTED_TORCH_VERSION}` on a branch made for them)")
+            f"(`git revert`, or `git reset --hard v{target_release(t)}` on a branch made for them)")
     edited = [v.rel for v in todo if v.edited or v.kind == OTHER]
     if edited and not force:
         if exam.records:
@@ -1473,8 +1518,8 @@ def _revert_files(t: Target, exam: _Exam, force: bool, stage: Path, log: Log) ->
                 f"edits elsewhere, then rerun with --force to restore the originals", EXIT_MODIFIED)
         raise TorchPatchError(
             f"refusing to revert: {', '.join(edited)} in {t.root} is neither the stock torch "
-            f"{EXPECTED_TORCH_VERSION} file nor patched by the series, and torch-patch saved no original "
-            f"of it; restore it yourself (`pip install --force-reinstall torch=={EXPECTED_TORCH_VERSION}` "
+            f"{target_release(t)} file nor patched by the series, and torch-patch saved no original "
+            f"of it; restore it yourself (`pip install --force-reinstall torch=={target_release(t)}` "
             f"or `git checkout`)", EXIT_MODIFIED)
     if edited:
         log(f"--force: discarding edits to {', '.join(edited)}")
@@ -1487,7 +1532,7 @@ def _revert_files(t: Target, exam: _Exam, force: bool, stage: Path, log: Log) ->
             if rec is None:
                 raise TorchPatchError(
                     f"--force cannot restore {t.root / v.rel}: torch-patch saved no original of it; "
-                    f"restore it yourself (`pip install --force-reinstall torch=={EXPECTED_TORCH_VERSION}` "
+                    f"restore it yourself (`pip install --force-reinstall torch=={target_release(t)}` "
                     f"or `git checkout`)")
             v.stock_sha = rec["before"]
             src, sha = _check_original(t, v), rec["before"]
@@ -1524,9 +1569,9 @@ def apply(target: Optional[os.PathLike] = None, *, series_dir: Optional[os.PathL
         raise TorchPatchError("apply: --force only takes effect together with --reapply (it lets the revert "
                               "of the earlier apply discard edits); add --reapply, or use `torch-patch revert "
                               "--force` first")
-    series = load_series(series_dir)
     t = resolve_target(target, allow_system=allow_system)
     version = check_base(t)
+    series = load_series(series_dir, line=release_line(version))
     require_git()
     with _write_errors(t, "apply", series_dir):
         with _locked(t, log=log):
@@ -1615,7 +1660,7 @@ def _apply_decide(t: Target, series: Series, exam: _Exam, version: str, stage: P
             p, why = None, f"{v.rel} does not match"
         raise TorchPatchError(
             f"patch {p.name if p else '(recorded series)'} does not apply to {t.root}: {why}; the target is "
-            f"not stock torch {EXPECTED_TORCH_VERSION} there (edited by hand, or patched by other means?) "
+            f"not stock torch {target_release(t)} there (edited by hand, or patched by other means?) "
             f"— nothing was changed")
     if not series.patches:
         log(f"the series in {series.dir} is empty; nothing to apply")
@@ -1641,8 +1686,7 @@ def revert(target: Optional[os.PathLike] = None, *, force: bool = False, allow_s
     if t.torch_missing:
         _remove_debris(t, series_dir, log)
         return
-    check_base(t)
-    series = _series_or_empty(series_dir)
+    series = _series_or_empty(series_dir, release_line(check_base(t)))
     require_git()
     with _write_errors(t, "revert", series_dir), _locked(t, log=log):
         journal = read_journal(t)
@@ -1665,21 +1709,23 @@ def revert(target: Optional[os.PathLike] = None, *, force: bool = False, allow_s
             f"sha256 of every file matches the original")
 
 
-def _series_or_empty(series_dir: Optional[os.PathLike]) -> Series:
-    """The shipped series, or an empty one if it cannot be read (revert/status then rely on the
-    records alone)."""
+def _series_or_empty(series_dir: Optional[os.PathLike], line: Optional[str] = None) -> Series:
+    """The shipped series of ``line``, or an empty one if it cannot be read (revert/status then
+    rely on the records alone)."""
     try:
-        return load_series(series_dir)
+        return load_series(series_dir, line=line)
     except TorchPatchError:
         if series_dir is not None:
             raise
-        return Series(PATCHES_DIR, [], "")
+        return Series(series_dir_for(line), [], "")
 
 
 def _remove_debris(t: Target, series_dir: Optional[os.PathLike], log: Log) -> None:
     """torch was uninstalled: remove the files torch-patch created (if they still hold what it
-    wrote), their bytecode, the state dir, and directories left empty."""
-    series = _series_or_empty(series_dir)
+    wrote), their bytecode, the state dir, and directories left empty.  Without ``series_dir``,
+    the series of every release line is considered (the torch version is gone with torch)."""
+    lines: List[Optional[str]] = [None] if series_dir is not None else list(RELEASE_LINES)
+    serieses = [_series_or_empty(series_dir, line) for line in lines]
     with _locked(t, log=log):
         records = read_state(t)
         expected: Dict[str, set] = {}
@@ -1688,15 +1734,16 @@ def _remove_debris(t: Target, series_dir: Optional[os.PathLike], log: Log) -> No
                 expected.setdefault(rel, set()).add(rec["after"])
         with _scratch() as work:
             n = 0
-            for rel in series.files:
-                if series.creates(rel) and (t.root / rel).exists():
-                    n += 1
-                    root = work / str(n)
-                    root.mkdir()
-                    ok = all(_git_apply_in(root, p, include=rel, ceiling=work).returncode == 0
-                             for p in series.patches_for(rel))
-                    if ok and (root / rel).exists():
-                        expected.setdefault(rel, set()).add(sha256_file(root / rel))
+            for series in serieses:
+                for rel in series.files:
+                    if series.creates(rel) and (t.root / rel).exists():
+                        n += 1
+                        root = work / str(n)
+                        root.mkdir()
+                        ok = all(_git_apply_in(root, p, include=rel, ceiling=work).returncode == 0
+                                 for p in series.patches_for(rel))
+                        if ok and (root / rel).exists():
+                            expected.setdefault(rel, set()).add(sha256_file(root / rel))
         removed, kept = [], []
         for rel, shas in sorted(expected.items()):
             path = _check_target_file(t, rel)
@@ -1750,7 +1797,10 @@ class Status:
 
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
-        d["expected_torch_version"] = EXPECTED_TORCH_VERSION
+        line = release_line(self.torch_version)
+        d["release_line"] = line
+        d["expected_torch_version"] = RELEASE_LINES[line or DEFAULT_LINE]
+        d["supported_releases"] = list(RELEASE_LINES.values())
         return d
 
 
@@ -1785,8 +1835,8 @@ def status(target: Optional[os.PathLike] = None, *, series_dir: Optional[os.Path
                   leftovers=_leftovers(t))
     if not base_version_ok(version):
         return mk(EXIT_BASE_MISMATCH, BASE_MISMATCH,
-                  f"base mismatch: found torch {version or 'unknown'}, expected {EXPECTED_TORCH_VERSION}")
-    series = _series_or_empty(series_dir)
+                  f"base mismatch: found torch {version or 'unknown'}, expected {supported_releases()}")
+    series = _series_or_empty(series_dir, release_line(version))
     with _locked(t, shared=True):
         journal = read_journal(t)
         if journal is not None:
@@ -1822,7 +1872,7 @@ def load_record(root: Path, only: Optional[Iterable[str]] = None) -> Dict[str, s
     di = find_dist_info(root)
     if di is None or not (di / "RECORD").is_file():
         raise TorchPatchError(f"no torch-*.dist-info/RECORD in {root}; cannot verify stock files "
-                              f"(point --from at a pip-installed torch=={EXPECTED_TORCH_VERSION})")
+                              f"(point --from at a pip-installed torch)")
     import base64
     import csv
     wanted = set(only) if only is not None else None
@@ -1843,7 +1893,7 @@ def stock_files(t: Target, rels: Optional[Iterable[str]] = None, record: Optiona
     of an earlier apply touch.  Uses the shipped series (or ``series``) and the records to tell
     stock from patched files; verified against the wheel's RECORD when given.  Raises
     TorchPatchError if a file's stock bytes are not on disk."""
-    series = series if series is not None else _series_or_empty(None)
+    series = series if series is not None else _series_or_empty(None, target_line(t))
     if t.torch_missing:
         raise TorchPatchError(_torch_missing_message(t), EXIT_BASE_MISMATCH)
     out: Dict[str, Optional[Path]] = {}
@@ -1864,19 +1914,19 @@ def stock_files(t: Target, rels: Optional[Iterable[str]] = None, record: Optiona
                 elif v.kind == PATCHED:
                     raise TorchPatchError(
                         f"no stock copy of {rel} on disk: {t.root / rel} is patched, but not by torch-patch "
-                        f"(no saved original); take it from git (`git show v{EXPECTED_TORCH_VERSION}:{rel}`) "
+                        f"(no saved original); take it from git (`git show v{target_release(t)}:{rel}`) "
                         f"or the wheel")
                 else:
                     raise TorchPatchError(
-                        f"{t.root / rel} is neither the stock torch {EXPECTED_TORCH_VERSION} file nor patched "
+                        f"{t.root / rel} is neither the stock torch {target_release(t)} file nor patched "
                         f"by the series; no stock copy of it is on disk (pip install --force-reinstall "
-                        f"torch=={EXPECTED_TORCH_VERSION})")
+                        f"torch=={target_release(t)})")
     if record is not None:
         for rel, path in out.items():
             if path is not None and rel in record and sha256_file(path) != record[rel]:
                 raise TorchPatchError(
-                    f"{path} is not the stock torch {EXPECTED_TORCH_VERSION} file (sha256 differs from the "
-                    f"wheel's RECORD); pip install --force-reinstall torch=={EXPECTED_TORCH_VERSION}")
+                    f"{path} is not the stock torch {target_release(t)} file (sha256 differs from the "
+                    f"wheel's RECORD); pip install --force-reinstall torch=={target_release(t)}")
     return out
 
 
@@ -1890,7 +1940,7 @@ def stock_file(t: Target, rel: str, record: Optional[Dict[str, str]] = None) -> 
 def stock_file_path(path: str, target: Optional[os.PathLike] = None, *,
                     series_dir: Optional[os.PathLike] = None) -> Path:
     """`torch-patch stock-file PATH [TARGET]`: the absolute path of an on-disk copy of the stock
-    v2.13.0 version of PATH (relative to the target, like ``torch/utils/_pytree.py``, or an
+    version of PATH (relative to the target, like ``torch/utils/_pytree.py``, or an
     absolute path inside it)."""
     t = resolve_target(target, require_venv=False)
     p = Path(path).expanduser()
@@ -1908,14 +1958,14 @@ def stock_file_path(path: str, target: Optional[os.PathLike] = None, *,
         if not rel.startswith("torch/"):
             raise TorchPatchError(f"{path} is not a path of the torch package; pass it relative to the "
                                   f"target, like torch/utils/_pytree.py")
-    check_base(t)
+    version = check_base(t)
     record = None
     if t.kind == "installed":
         with contextlib.suppress(TorchPatchError):
             record = load_record(t.root)
-    series = _series_or_empty(series_dir)
+    series = _series_or_empty(series_dir, release_line(version))
     got = stock_files(t, [rel], record, series=series)[rel]
     if got is None:
-        raise TorchPatchError(f"stock torch {EXPECTED_TORCH_VERSION} has no {rel} "
+        raise TorchPatchError(f"stock torch {target_release(t)} has no {rel} "
                               f"({'the series adds it' if series.creates(rel) else f'no such file in {t.root}'})")
     return Path(os.path.abspath(got))

@@ -1,25 +1,46 @@
 """The dev tree: a git work tree of the stock torch package with the series as commits.
 
 ``dev_create(DIR)`` copies the installed torch package (stock files, verified against the wheel's
-RECORD) into ``DIR/torch``, tracks only ``*.py`` in git, commits it as ``v2.13.0`` with a fixed
-identity and date, and ``git am``s the series on top, so ``PYTHONPATH=DIR python`` imports the
-patched torch.  ``dev_export(DIR)`` turns ``v2.13.0..HEAD`` back into ``torch_patch/patches/``.
+RECORD) into ``DIR/torch``, tracks only ``*.py`` in git, commits it as ``v<its release>`` (e.g.
+``v2.14.1``) with a fixed identity and date, and ``git am``s the series of that release line on
+top, so ``PYTHONPATH=DIR python`` imports the patched torch.  ``dev_export(DIR)`` turns
+``v<release>..HEAD`` back into ``torch_patch/patches/<line>/``; a patch that is the same as a
+patch of an earlier line but for its line numbers and blob hashes is not written again: the
+series names that line's file (``../2.13/NAME``).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from .core import (EXPECTED_TORCH_VERSION, PATCHES_DIR, Log, TorchPatchError, _print, check_base,
-                   git_env, load_record, load_series, patch_files, read_series_names, require_git,
-                   resolve_target, run_git, sha256_file, stock_files)
+from .core import (EXPECTED_TORCH_VERSION, PATCHES_DIR, RELEASE_LINES, Log, TorchPatchError, _print,
+                   check_base, git_env, load_record, load_series, patch_files, read_series_names,
+                   release_line, require_git, resolve_target, run_git, series_dir_for, sha256_file,
+                   stock_files)
 
-BASE_TAG = f"v{EXPECTED_TORCH_VERSION}"
-BASE_MESSAGE = f"PyTorch {BASE_TAG} (python sources of the torch=={EXPECTED_TORCH_VERSION} wheel)"
+
+def base_tag(release: str) -> str:
+    """The tag of the stock commit of a dev tree of torch ``release`` ("2.14.1" -> "v2.14.1")."""
+    return f"v{release}"
+
+
+def base_message(release: str) -> str:
+    return f"PyTorch v{release} (python sources of the torch=={release} wheel)"
+
+
+def release_of(version: str) -> str:
+    """"2.14.1" for "2.14.1+cu130"."""
+    return version.split("+", 1)[0]
+
+
+# The default (2.13) line's; a dev tree of another release is tagged with that release.
+BASE_TAG = base_tag(EXPECTED_TORCH_VERSION)
+BASE_MESSAGE = base_message(EXPECTED_TORCH_VERSION)
 DEV_GITIGNORE = "*\n!*/\n!*.py\n!.gitignore\n"
 FIXED_IDENTITY = {
     "GIT_AUTHOR_NAME": "torch-patch",
@@ -86,9 +107,9 @@ def dev_create(dev_dir: os.PathLike, *, source: Optional[os.PathLike] = None,
     if dev_dir.exists() and any(dev_dir.iterdir()):
         raise TorchPatchError(f"{dev_dir} exists and is not empty; pass a new directory")
     require_git()
-    series = load_series(series_dir)
     src = resolve_target(source, require_venv=False)
-    check_base(src)
+    release = release_of(check_base(src))
+    series = load_series(series_dir, line=release_line(release))
     record = load_record(src.root)
     # the installed torch may be patched: which files, and where their stock bytes are, is
     # decided from the files (the originals saved by apply, or the files themselves)
@@ -114,39 +135,81 @@ def dev_create(dev_dir: os.PathLike, *, source: Optional[os.PathLike] = None,
                 bad.append(rel)
         if bad:
             raise TorchPatchError(
-                f"{len(bad)} file(s) in {src.root} are not stock torch {EXPECTED_TORCH_VERSION} "
+                f"{len(bad)} file(s) in {src.root} are not stock torch {release} "
                 f"(sha256 differs from the wheel's RECORD), e.g. {', '.join(bad[:3])}; "
-                f"pip install --force-reinstall torch=={EXPECTED_TORCH_VERSION}")
+                f"pip install --force-reinstall torch=={release}")
         if unlisted:
             log(f"note: {len(unlisted)} .py file(s) not listed in RECORD, e.g. {unlisted[0]}")
         (dev_dir / ".gitignore").write_text(DEV_GITIGNORE, encoding="utf-8")
         env = git_env(FIXED_IDENTITY)
         run_git(["-c", "init.defaultBranch=main", "init", "-q"], dev_dir, env=env)
-        _git_commit_all(dev_dir, BASE_MESSAGE)
-        run_git(["tag", BASE_TAG], dev_dir, env=env)
+        _git_commit_all(dev_dir, base_message(release))
+        run_git(["tag", base_tag(release)], dev_dir, env=env)
         git_am(dev_dir, [p.path for p in series.patches])
     except BaseException:
         if created:
             shutil.rmtree(dev_dir, ignore_errors=True)
         raise
-    log(f"dev tree ready at {dev_dir}: {BASE_TAG} + {len(series.patches)} patch(es) as commits")
+    log(f"dev tree ready at {dev_dir}: {base_tag(release)} + {len(series.patches)} patch(es) of "
+        f"{series.dir} as commits")
     log(f"  edit and test:  PYTHONPATH={dev_dir} python -c 'import torch; print(torch.__file__)'")
     log(f"  then commit there and run:  torch-patch dev --export {dev_dir}")
     return dev_dir
 
 
-def default_patches_dir() -> Path:
-    """torch_patch/patches of this source checkout (refuse to write into an installed copy)."""
+def default_patches_dir(line: Optional[str] = None) -> Path:
+    """torch_patch/patches/<line> of this source checkout (refuse to write into an installed copy)."""
     if not (PATCHES_DIR.parent.parent / "setup.py").is_file():
         raise TorchPatchError(f"{PATCHES_DIR} is not inside a torch_patch source checkout (no setup.py "
                               f"next to the package); install with `pip install -e` or pass --patches-dir")
-    return PATCHES_DIR
+    return series_dir_for(line)
+
+
+def _dev_base_tag(dev_dir: Path) -> str:
+    """The ``v<release>`` tag of a dev tree's stock commit (of a supported release line)."""
+    tags = run_git(["tag", "--list", "v*", "--merged", "HEAD"], dev_dir).stdout.decode().split()
+    roots = set(run_git(["rev-list", "--max-parents=0", "HEAD"], dev_dir).stdout.decode().split())
+    for tag in tags:
+        commit = run_git(["rev-parse", f"{tag}^{{commit}}"], dev_dir).stdout.decode().strip()
+        if commit in roots and release_line(tag[1:]) is not None:
+            return tag
+    lines = ", ".join(f"v{r}" for r in RELEASE_LINES.values())
+    raise TorchPatchError(f"{dev_dir} has no tag of a supported release (e.g. {lines}) on its first "
+                          f"commit; it is not a dev tree made by `torch-patch dev`")
+
+
+_INDEX_LINE = re.compile(rb"^index [0-9a-f]+\.\.[0-9a-f]+(?: \d+)?\n", re.M)
+_HUNK_HEADER = re.compile(rb"^@@ -\d+(?:,\d+)? \+\d+(?:,\d+)? @@.*\n", re.M)
+
+
+def same_change(a: bytes, b: bytes) -> bool:
+    """Whether two patches are the same change (message, files, context and lines) and differ at
+    most in their blob hashes and line numbers, so that one applies wherever the other does."""
+    def norm(data: bytes) -> bytes:
+        return _HUNK_HEADER.sub(b"@@\n", _INDEX_LINE.sub(b"", data))
+    return norm(a) == norm(b)
+
+
+def _shared_entry(name: str, data: bytes, out: Path) -> Optional[str]:
+    """``../<line>/<name>`` if an earlier release line next to ``out`` has a file ``name`` that is
+    the same change as ``data``; None otherwise.  Only files count (not entries that are
+    themselves shared), so every shared entry names a file."""
+    if out.name not in RELEASE_LINES:
+        return None
+    for line in RELEASE_LINES:
+        if line == out.name:
+            return None
+        other = out.parent / line / name
+        if other.is_file() and same_change(other.read_bytes(), data):
+            return f"../{line}/{name}"
+    return None
 
 
 def dev_export(dev_dir: Optional[os.PathLike] = None, *, patches_dir: Optional[os.PathLike] = None,
                log: Log = _print) -> List[str]:
-    """Regenerate ``patches_dir`` (default: torch_patch/patches of this checkout) from
-    ``git format-patch v2.13.0..HEAD`` in the dev tree.  Returns the new series names."""
+    """Regenerate ``patches_dir`` (default: torch_patch/patches/<line> of this checkout, the line
+    of the dev tree's ``v<release>`` tag) from ``git format-patch v<release>..HEAD`` in the dev
+    tree.  Returns the new patch names."""
     if dev_dir is None:
         dev_dir = os.environ.get(DEV_ENV)
         if not dev_dir:
@@ -155,17 +218,17 @@ def dev_export(dev_dir: Optional[os.PathLike] = None, *, patches_dir: Optional[o
     require_git()
     if not (dev_dir / ".git").exists():
         raise TorchPatchError(f"{dev_dir} is not a dev tree (no .git); create one with `torch-patch dev DIR`")
-    if run_git(["rev-parse", "-q", "--verify", f"{BASE_TAG}^{{commit}}"], dev_dir, check=False).returncode:
-        raise TorchPatchError(f"{dev_dir} has no tag {BASE_TAG}; it is not a dev tree made by `torch-patch dev`")
-    if run_git(["merge-base", "--is-ancestor", BASE_TAG, "HEAD"], dev_dir, check=False).returncode:
-        raise TorchPatchError(f"HEAD of {dev_dir} does not descend from {BASE_TAG}; rebase onto {BASE_TAG}")
+    if run_git(["rev-parse", "-q", "--verify", "HEAD"], dev_dir, check=False).returncode:
+        raise TorchPatchError(f"{dev_dir} has no commits; it is not a dev tree made by `torch-patch dev`")
+    tag = _dev_base_tag(dev_dir)
     dirty = run_git(["--no-optional-locks", "status", "--porcelain", "--untracked-files=no"], dev_dir).stdout.decode().splitlines()
     if dirty:
         raise TorchPatchError(f"{dev_dir} has uncommitted changes to tracked files "
                               f"({', '.join(l[3:] for l in dirty[:5])}); commit or stash them first")
-    out = Path(patches_dir).resolve() if patches_dir is not None else default_patches_dir()
+    line = release_line(tag[1:])
+    out = Path(patches_dir).resolve() if patches_dir is not None else default_patches_dir(line)
     with tempfile.TemporaryDirectory(prefix="torch-patch-export-") as tmp:
-        files = format_patches(dev_dir, f"{BASE_TAG}..HEAD", Path(tmp))
+        files = format_patches(dev_dir, f"{tag}..HEAD", Path(tmp))
         new: Dict[str, bytes] = {}
         for f in files:
             data = f.read_bytes()
@@ -175,22 +238,26 @@ def dev_export(dev_dir: Optional[os.PathLike] = None, *, patches_dir: Optional[o
                                       f"patches may only change torch/ (tests live in this repo's test/)")
             new[f.name] = data
     out.mkdir(parents=True, exist_ok=True)
+    entries = {name: _shared_entry(name, data, out) or name for name, data in new.items()}
     changed = 0
     for name, data in new.items():
         path = out / name
-        if not path.exists() or path.read_bytes() != data:
+        if entries[name] == name and (not path.exists() or path.read_bytes() != data):
             path.write_bytes(data)
             changed += 1
-    removed = [p.name for p in sorted(out.glob("*.patch")) if p.name not in new]
+    removed = [p.name for p in sorted(out.glob("*.patch")) if entries.get(p.name) != p.name]
     for name in removed:
         (out / name).unlink()
-    series_text = "".join(f"{n}\n" for n in new)
+    shared = [e for e in entries.values() if "/" in e]
+    series_text = "".join(f"{e}\n" for e in entries.values())
     series_path = out / "series"
     if not series_path.exists() or series_path.read_text(encoding="utf-8") != series_text:
         series_path.write_text(series_text, encoding="utf-8")
-    log(f"exported {len(new)} patch(es) from {dev_dir} to {out} "
-        f"({changed} written, {len(removed)} removed{': ' + ', '.join(removed) if removed else ''})")
+    log(f"exported {len(new)} patch(es) from {dev_dir} ({tag}..HEAD) to {out} "
+        f"({changed} written, {len(shared)} shared with an earlier release line, {len(removed)} removed"
+        f"{': ' + ', '.join(removed) if removed else ''})")
     return list(new)
 
 
-__all__ = ["dev_create", "dev_export", "BASE_TAG", "FORMAT_PATCH_OPTS", "read_series_names"]
+__all__ = ["dev_create", "dev_export", "BASE_TAG", "FORMAT_PATCH_OPTS", "read_series_names", "base_tag",
+           "same_change"]

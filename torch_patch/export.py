@@ -1,7 +1,8 @@
 """`torch-patch export OUTDIR`: the upstream-ready series (library patches + tests + benchmarks).
 
 A throw-away stand-in checkout holding the stock files the series touches is committed as
-v2.13.0 and the library series is `git am`-ed, each commit together with the files of this
+``v<release>`` of the torch the files come from (v2.13.0, v2.14.1, ...) and the library series of
+that release line is `git am`-ed, each commit together with the files of this
 repo's upstream tests (``test/**`` except ``test/torch_patch/``) and ``benchmarks/**`` that its
 Test Plan names first (``python test/x.py``: that file and the modules of its directory it
 imports; ``python benchmarks/d/x.py``: all of ``benchmarks/d/``). One commit then adds the
@@ -23,8 +24,9 @@ from pathlib import Path
 from typing import List, Optional
 
 from .core import (PATCHES_DIR, Log, TorchPatchError, _print, check_base, git_env, load_record,
-                   load_series, require_git, resolve_target, run_git, stock_files)
-from .dev import BASE_MESSAGE, BASE_TAG, FIXED_IDENTITY, _git_commit_all, format_patches, git_am
+                   load_series, release_line, require_git, resolve_target, run_git, stock_files)
+from .dev import (FIXED_IDENTITY, _git_commit_all, base_message, base_tag, format_patches, git_am,
+                  release_of)
 from .upstream import BENCHMARKS_COMMIT_MESSAGE, TESTS_COMMIT_MESSAGE
 
 TOOL_TESTS = "test/torch_patch/"
@@ -145,12 +147,13 @@ def export(outdir: os.PathLike, *, force: bool = False, series_dir: Optional[os.
     if outdir.exists() and any(outdir.iterdir()) and not force:
         raise TorchPatchError(f"{outdir} exists and is not empty; choose a new directory or pass --force")
     require_git()
-    series = load_series(series_dir)
+    src = resolve_target(source, require_venv=False)
+    release = release_of(check_base(src))
+    series = load_series(series_dir, line=release_line(release))
+    tag = base_tag(release)
     repo = Path(repo).resolve() if repo is not None else default_repo()
     test_files = [f for f in repo_files(repo, "test") if not f.startswith(TOOL_TESTS)]
     bench_files = repo_files(repo, "benchmarks")
-    src = resolve_target(source, require_venv=False)
-    check_base(src)
     record = load_record(src.root)
     with tempfile.TemporaryDirectory(prefix="torch-patch-export-") as tmp:
         work = Path(tmp) / "pytorch"
@@ -161,9 +164,9 @@ def export(outdir: os.PathLike, *, force: bool = False, series_dir: Optional[os.
                 shutil.copyfile(stock, work / rel)
         env = git_env(FIXED_IDENTITY)
         run_git(["-c", "init.defaultBranch=main", "init", "-q"], work, env=env)
-        (work / "README").write_text(f"stand-in for pytorch {BASE_TAG}: only the files the series touches\n")
-        _git_commit_all(work, BASE_MESSAGE)
-        run_git(["tag", BASE_TAG], work, env=env)
+        (work / "README").write_text(f"stand-in for pytorch {tag}: only the files the series touches\n")
+        _git_commit_all(work, base_message(release))
+        run_git(["tag", tag], work, env=env)
         # Each library commit carries the tests and benchmarks its Test Plan names (the first one
         # to name a file gets it); what no Test Plan names follows in a tests and a benchmarks commit.
         per_patch = _tests_per_patch(series.patches, repo, test_files + bench_files)
@@ -208,7 +211,7 @@ def export(outdir: os.PathLike, *, force: bool = False, series_dir: Optional[os.
                     work, env=git_env(identity))
         # written next to the work tree first, so a failure leaves OUTDIR as it was
         staged = Path(tmp) / "out"
-        names = [p.name for p in format_patches(work, f"{BASE_TAG}..HEAD", staged)]
+        names = [p.name for p in format_patches(work, f"{tag}..HEAD", staged)]
         (staged / "series").write_text("".join(f"{n}\n" for n in names), encoding="utf-8")
         outdir.mkdir(parents=True, exist_ok=True)
         if force:
@@ -219,5 +222,5 @@ def export(outdir: os.PathLike, *, force: bool = False, series_dir: Optional[os.
     log(f"exported {len(names)} patch(es) to {outdir} ({len(library)} library, carrying "
         f"{len(in_library)} file(s) their Test Plans name; then {len(test_files)} other test file(s), "
         f"{len(bench_files)} other benchmark file(s))")
-    log(f"  on a PyTorch {BASE_TAG} checkout:  git am --keep-non-patch {outdir}/*.patch")
+    log(f"  on a PyTorch {tag} checkout:  git am --keep-non-patch {outdir}/*.patch")
     return names

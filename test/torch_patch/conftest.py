@@ -54,7 +54,7 @@ def empty_series(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def dev_tree(tmp_path_factory, template, empty_series) -> Path:
-    """A dev tree with two commits on top of v2.13.0 (the test series)."""
+    """A dev tree with two commits on top of v<this torch's release> (the test series)."""
     dev = tmp_path_factory.mktemp("dev") / "tree"
     torch_patch.dev_create(dev, source=template, series_dir=empty_series, log=lambda s: None)
     _edit(dev / TEST_FILES[0], "\nimport ", "\n# torch-patch test: first patch\nimport ")

@@ -21,12 +21,12 @@ from pathlib import Path
 
 import pytest
 
-from tp_helpers import (NEW_FILE, REPO, TEST_FILES, doc_commands, git, make_venv, run_cli, run_until,
+from tp_helpers import (NEW_FILE, RELEASE, REAL_SERIES_DIR, REPO, TEST_FILES, doc_commands, git, make_venv, run_cli, run_until,
                         simulate_pip_reinstall, standin_checkout, stock_torch_farm, tree_digest)
 
 from torch_patch import core
 
-REAL_SERIES = core.load_series(core.PATCHES_DIR)
+REAL_SERIES = core.load_series(REAL_SERIES_DIR)
 
 
 def names(series_dir: Path):
@@ -286,7 +286,7 @@ def test_stock_file_verb_and_status_json(target, template, test_series):
     assert r.returncode == 5 and f"has no {NEW_FILE}" in r.stderr
     r = run_cli("stock-file", "utils/_pytree.py", target)
     assert r.returncode == 5 and "relative to the" in r.stderr
-    (target / "torch" / "version.py").write_text("__version__ = '2.13.0+cpu'\n# edited\n")
+    (target / "torch" / "version.py").write_text(f"__version__ = '{RELEASE}+cpu'\n# edited\n")
     r = run_cli("stock-file", "torch/version.py", target)
     assert r.returncode == 5 and "not the stock torch" in r.stderr and "RECORD" in r.stderr
 
@@ -428,7 +428,7 @@ def test_documented_cxx_pytree_bench_command_finds_the_stock_file(docs_sandbox):
     once its header is printed."""
     cmds = [c for c in doc_commands(REPO / "README.md", "cxx_pytree_bench.py") if not _is_setup(c)]
     assert len(cmds) == 1 and "torch-patch stock-file torch/utils/_cxx_pytree.py" in cmds[0], cmds
-    code, out = run_until(cmds[0], docs_sandbox, "- torch 2.13.0", env=_sandbox_env())
+    code, out = run_until(cmds[0], docs_sandbox, f"- torch {RELEASE}", env=_sandbox_env())
     assert code is None, f"{cmds[0]}\nexited {code}:\n{out}"
     header = next(line for line in out.splitlines() if line.startswith("# _cxx_pytree: stock ("))
     stock_path = Path(header.split("stock (", 1)[1].split(") vs patched", 1)[0])

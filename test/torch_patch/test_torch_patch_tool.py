@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from tp_helpers import NEW_FILE, REPO, TEST_FILES, git, run_cli, standin_checkout, tree_digest
+from tp_helpers import (NEW_FILE, REAL_SERIES_DIR, RELEASE, REPO, RUNNING_VERSION, TEST_FILES, git, run_cli,
+                        standin_checkout, tree_digest)
 
 import torch_patch
 from torch_patch import core
@@ -51,7 +52,7 @@ def test_apply_revert_roundtrip(target, test_series):
     r = run_cli("status", target, "--series", test_series)
     assert (r.returncode, r.stdout.strip()) == (0, f"applied ({', '.join(names)})")
     state = json.loads((target / ".torch-patch" / "state.json").read_text())
-    assert state["torch_version"].startswith("2.13.0")
+    assert state["torch_version"].startswith(RELEASE)
     assert set(state["files"]) == {*TEST_FILES, NEW_FILE}
     assert state["files"][NEW_FILE]["before"] is None
     for rel in TEST_FILES:
@@ -115,15 +116,17 @@ def test_status_reports_older_series(target, test_series, first_patch_only):
 
 def test_wrong_base_version(target, test_series):
     vp = target / "torch" / "version.py"
-    vp.write_text(vp.read_text().replace("'2.13.0", "'2.12.1"))
+    vp.write_text(vp.read_text().replace(f"'{RELEASE}", "'2.12.1"))
     before = tree_digest(target)
     r = run_cli("apply", target, "--series", test_series)
     assert r.returncode == 3
-    assert "found torch 2.12.1" in r.stderr and "expected 2.13.0" in r.stderr
+    assert "found torch 2.12.1" in r.stderr and "expected torch 2.13 (2.13.0), 2.14 (2.14.1) or 2.15 (2.15.0)" in r.stderr
     assert tree_digest(target) == before
     r = run_cli("status", target)
     assert r.returncode == 3
-    assert r.stdout.strip() == "base mismatch: found torch 2.12.1+cpu, expected 2.13.0"
+    suffix = RUNNING_VERSION[len(RELEASE):]  # "+cpu", "+cu130"
+    assert r.stdout.strip() == (f"base mismatch: found torch 2.12.1{suffix}, "
+                                "expected torch 2.13 (2.13.0), 2.14 (2.14.1) or 2.15 (2.15.0)")
     assert run_cli("revert", target).returncode == 3
 
 
@@ -379,12 +382,12 @@ def test_dev_create_from_patched_target(tmp_path, target, test_series, dev_tree)
     assert (dev / ".gitignore").read_text() == "*\n!*/\n!*.py\n!.gitignore\n"
     log = git("log", "--format=%s", cwd=dev).stdout.splitlines()
     assert log == ["Test patch two", "Test patch one",
-                   "PyTorch v2.13.0 (python sources of the torch==2.13.0 wheel)"]
+                   f"PyTorch v{RELEASE} (python sources of the torch=={RELEASE} wheel)"]
     for rel in TEST_FILES:
-        stock = git("show", f"v2.13.0:{rel}", cwd=dev).stdout
+        stock = git("show", f"v{RELEASE}:{rel}", cwd=dev).stdout
         assert stock == (target / ".torch-patch" / "orig" / rel).read_text()
         assert (dev / rel).read_bytes() == (target / rel).read_bytes()
-    assert git("rev-parse", "v2.13.0", cwd=dev).stdout == git("rev-parse", "v2.13.0", cwd=dev_tree).stdout
+    assert git("rev-parse", f"v{RELEASE}", cwd=dev).stdout == git("rev-parse", f"v{RELEASE}", cwd=dev_tree).stdout
     dev2 = tmp_path / "dev2"
     assert run_cli("dev", dev2, "--from", target, "--series", test_series).returncode == 0
     assert git("rev-parse", "HEAD", cwd=dev).stdout == git("rev-parse", "HEAD", cwd=dev2).stdout
@@ -396,7 +399,7 @@ def test_dev_create_refuses_non_stock_source(tmp_path, target, empty_series):
     f = target / TEST_FILES[1]
     f.write_text(f.read_text() + "# not stock\n")
     r = run_cli("dev", tmp_path / "dev", "--from", target, "--series", empty_series)
-    assert r.returncode == 5 and "not stock torch 2.13.0" in r.stderr and TEST_FILES[1] in r.stderr
+    assert r.returncode == 5 and f"not stock torch {RELEASE}" in r.stderr and TEST_FILES[1] in r.stderr
     assert not (tmp_path / "dev").exists()
 
 
@@ -500,7 +503,7 @@ def test_export_puts_tests_in_the_commit_whose_test_plan_names_them(tmp_path, te
 def test_export_generic_cut_of_the_real_series(tmp_path, template):
     # `--cut generic`: the library patches up to the first HuggingFace-specific one, byte for
     # byte, with the tests their Test Plans name, and none of the HuggingFace tests; it applies.
-    series = core.load_series(core.PATCHES_DIR)
+    series = core.load_series(REAL_SERIES_DIR)
     full, generic = tmp_path / "full", tmp_path / "generic"
     assert run_cli("export", full, "--from", template).returncode == 0
     r = run_cli("export", generic, "--cut", "generic", "--from", template)
@@ -538,7 +541,7 @@ def test_export_generic_cut_of_the_real_series(tmp_path, template):
 
 def test_real_series_apply_revert(target):
     try:
-        series = core.load_series(core.PATCHES_DIR)
+        series = core.load_series(REAL_SERIES_DIR)
     except core.TorchPatchError:
         series = None
     if series is None or not series.patches:
@@ -559,3 +562,94 @@ def test_help(verb):
     r = run_cli(*([verb] if verb else []), "--help")
     assert r.returncode == 0 and "usage: torch-patch" in r.stdout
     assert "exit codes" in r.stdout
+
+
+# ------------------------------------------------------------------------------------------
+# release lines: one series per line, picked by the target's torch version
+
+
+def test_release_line_of_a_version():
+    assert core.release_line("2.14.1+cu130") == "2.14"
+    assert core.release_line("2.14.0") == "2.14"  # another patch release of a supported line
+    assert core.release_line("2.13.0a0") == "2.13"  # version.txt of an unbuilt checkout
+    assert core.release_line("2.15.0+cpu") == "2.15"
+    for version in ("2.12.1", "2.16.0", "2.1.0", "3.13.0", "", None, "nightly"):
+        assert core.release_line(version) is None, version
+    assert core.series_dir_for("2.14") == core.PATCHES_DIR / "2.14"
+    assert core.series_dir_for(None) == core.PATCHES_DIR / "2.13"
+
+
+def test_shipped_series_of_every_line():
+    # Every supported line ships a series of the same concerns in the same order; an entry of
+    # another line's directory names a file of an earlier line, never an entry that is shared.
+    subjects = {}
+    for i, line in enumerate(core.RELEASE_LINES):
+        series = core.load_series(line=line)
+        assert series.dir == core.PATCHES_DIR / line and len(series.patches) == 9, line
+        for entry, patch in zip(series_names(series.dir), series.patches):
+            if "/" in entry:
+                other = entry.split("/")[1]
+                assert entry == f"../{other}/{patch.name}", entry
+                assert other in list(core.RELEASE_LINES)[:i], entry
+                assert patch.path.resolve().parent == core.PATCHES_DIR / other
+                assert patch.name in series_names(core.PATCHES_DIR / other)
+            else:
+                assert patch.path.parent == series.dir and patch.path.is_file()
+        subjects[line] = [re.search(r"^Subject: (.*)$", p.text, re.M).group(1) for p in series.patches]
+    names = [[p.split("]", 1)[-1] for p in s] for s in subjects.values()]
+    for line, got in zip(core.RELEASE_LINES, names):
+        # patch 4 fixes 2.14's and 2.15's own member_descriptor.__set__ instead of adding it
+        assert [n for k, n in enumerate(got) if k != 3] == [n for k, n in enumerate(names[0]) if k != 3], line
+    assert sorted(p.name for p in (core.PATCHES_DIR).iterdir()) == sorted(core.RELEASE_LINES)
+
+
+def test_target_of_another_line_gets_that_lines_series(target):
+    # The version picks the series: a target that says it is another release is checked against
+    # that line's series, which does not fit these files; the refusal names the patch and the
+    # release, and nothing changes.
+    other = "2.15.0" if core.release_line(RELEASE) != "2.15" else "2.14.1"
+    vp = target / "torch" / "version.py"
+    vp.write_text(vp.read_text().replace(f"'{RELEASE}", f"'{other}"))
+    before = tree_digest(target)
+    r = run_cli("apply", target)
+    names = core.load_series(line=core.release_line(other)).names
+    assert r.returncode == 5, r.stdout + r.stderr
+    failing = re.search(r"error: patch (\S+) does not apply", r.stderr)
+    assert failing and failing.group(1) in names and f"does not fit torch {other}" in r.stderr, r.stderr
+    assert tree_digest(target) == before
+    data = json.loads(run_cli("status", target, "--json").stdout)
+    assert (data["release_line"], data["expected_torch_version"]) == (
+        core.release_line(other), core.RELEASE_LINES[core.release_line(other)])
+    assert data["supported_releases"] == ["2.13.0", "2.14.1", "2.15.0"]
+
+
+def test_same_change_ignores_blob_hashes_and_line_numbers():
+    a = (b"Subject: [PATCH] x\n\ndiff --git a/f.py b/f.py\nindex 1111111..2222222 100644\n--- a/f.py\n"
+         b"+++ b/f.py\n@@ -10,3 +10,4 @@ def f():\n ctx\n+new\n ctx\n")
+    b = a.replace(b"1111111..2222222", b"3333333..4444444").replace(b"-10,3 +10,4 @@ def f", b"-52,3 +52,4 @@ def g")
+    assert torch_patch.dev.same_change(a, b)
+    assert not torch_patch.dev.same_change(a, a.replace(b"+new", b"+other"))
+    assert not torch_patch.dev.same_change(a, a.replace(b" ctx\n+new", b" context\n+new"))
+
+
+def test_dev_export_shares_a_patch_of_an_earlier_line(tmp_path, dev_tree):
+    # Exported into patches/2.14/ next to a 2.13/ that holds the same changes, the series names
+    # 2.13's files and writes none; a changed patch is written; the bytes are stable.
+    root = tmp_path / "patches"
+    torch_patch.dev_export(dev_tree, patches_dir=root / "2.13", log=lambda s: None)
+    names = series_names(root / "2.13")
+    torch_patch.dev_export(dev_tree, patches_dir=root / "2.14", log=lambda s: None)
+    assert series_names(root / "2.14") == [f"../2.13/{n}" for n in names]
+    assert sorted(p.name for p in (root / "2.14").iterdir()) == ["series"]
+    shared = core.load_series(root / "2.14")
+    assert (shared.names, shared.id) == (names, core.load_series(root / "2.13").id)
+    # the 2.13 file of the first patch changes: 2.14 gets its own copy of that one again
+    first = root / "2.13" / names[0]
+    first.write_text(first.read_text().replace("Adds a comment", "Adds one comment"))
+    before = tree_digest(root / "2.14")
+    torch_patch.dev_export(dev_tree, patches_dir=root / "2.14", log=lambda s: None)
+    assert series_names(root / "2.14") == [names[0], f"../2.13/{names[1]}"]
+    assert "Adds a comment" in (root / "2.14" / names[0]).read_text()
+    again = tree_digest(root / "2.14")
+    torch_patch.dev_export(dev_tree, patches_dir=root / "2.14", log=lambda s: None)
+    assert tree_digest(root / "2.14") == again != before

@@ -16,6 +16,11 @@ sys.path.insert(0, str(REPO))
 import torch_patch  # noqa: E402
 from torch_patch import core  # noqa: E402
 
+# the torch of this venv ("2.14.1+cu130"), its release ("2.14.1") and the shipped series of its line
+RUNNING_VERSION = core.read_torch_version(core.installed_torch_root() or REPO) or "unknown"
+RELEASE = RUNNING_VERSION.split("+", 1)[0]
+REAL_SERIES_DIR = core.series_dir_for(core.release_line(RELEASE))
+
 TEST_FILES = ["torch/utils/_pytree.py", "torch/utils/_cxx_pytree.py"]
 NEW_FILE = "torch/utils/_torch_patch_probe.py"
 BASE_FILES = ["torch/__init__.py", "torch/version.py"]
@@ -34,7 +39,7 @@ def git(*args, cwd, check=True, env_extra=None):
 
 def real_series_files():
     try:
-        return core.load_series(core.PATCHES_DIR).files
+        return core.load_series(REAL_SERIES_DIR).files
     except core.TorchPatchError:
         return []
 
@@ -80,9 +85,9 @@ def stock_torch_farm(site: Path) -> Path:
     real series touches, which are real copies of their stock versions (the originals if this
     torch is patched); files stock torch lacks are left out.  The tool only ever replaces files
     (os.replace / unlink), so patching the farm never writes through a symlink.  Also copies
-    the torch dist-info, so pip sees torch==2.13.0 installed there.  Returns ``site``."""
+    the torch dist-info, so pip sees the same torch release installed there.  Returns ``site``."""
     src = core.resolve_target(core.installed_torch_root(), require_venv=False)
-    copies = core.stock_files(src, None, series=core.load_series(core.PATCHES_DIR))
+    copies = core.stock_files(src, None, series=core.load_series(REAL_SERIES_DIR))
     created = [rel for rel, path in copies.items() if path is None]
     for dirpath, dirnames, filenames in os.walk(src.root / "torch"):
         rel_dir = Path(dirpath).relative_to(src.root)
@@ -102,7 +107,7 @@ def stock_torch_farm(site: Path) -> Path:
 
 
 def simulate_pip_reinstall(target: Path, stock: Path) -> None:
-    """What `pip install --force-reinstall --no-deps torch==2.13.0` does to a stand-in target
+    """What `pip install --force-reinstall --no-deps torch==<release>` does to a stand-in target
     (a real one takes a minute): every file the wheel's RECORD lists is removed and written anew
     with the wheel's bytes (here: those of the stock stand-in ``stock``); files it does not list
     (what the series added, .torch-patch/) are left alone."""
