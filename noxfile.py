@@ -1,8 +1,9 @@
-"""Test matrix: `nox` runs the four test sessions, `lint` and `commits` (see README.md, command 2).
+"""Test matrix: `nox` runs the test sessions, `lint` and `commits` (see README.md, command 2).
 
-Each test session installs this package with its test extras into a fresh venv (.nox/<session>),
-applies the patch series to that venv's torch with `torch-patch apply` (a no-op when the
-session is reused), then runs the whole suite.  Arguments after `--` replace the default `test`:
+Each test session installs a torch release (.ci/requirements-torch-<line>.txt: 2.13.0 unless the
+session names another line) and this package with its test extras into a fresh venv
+(.nox/<session>), applies the series of that release line to that venv's torch with
+`torch-patch apply` (a no-op when the session is reused), then runs the whole suite.  Arguments after `--` replace the default `test`:
 `nox -s tests-latest -- test/test_pytree_family.py -x`.  `lint` runs PyTorch's lint gates on the
 exported series; `commits` checks every library commit against its own Test Plan, with only
 the commits before it.
@@ -26,6 +27,8 @@ nox.options.sessions = [
     "tests-ci-pins",
     "lint",
     "commits",
+    "tests-2.14",
+    "tests-2.15",
 ]
 nox.options.error_on_missing_interpreters = True
 
@@ -36,8 +39,16 @@ def _run_suite(
     hypothesis_profile: str,
     default_tests: tuple[str, ...] = ("test",),
     extras: str = "test",
+    line: str = "2.13",
 ) -> dict[str, str]:
-    session.install("-e", f".[{extras}]", *extra_requirements)
+    # torch is pinned: the package allows every supported line, and pip would take the newest
+    session.install(
+        "-r",
+        f".ci/requirements-torch-{line}.txt",
+        "-e",
+        f".[{extras}]",
+        *extra_requirements,
+    )
     session.run("torch-patch", "apply")
     session.run("torch-patch", "status")
     env = {
@@ -356,7 +367,7 @@ def lint(session: nox.Session) -> None:
             session.error("usage: nox -s lint [-- --pytorch-root DIR]")
         pytorch_root = session.posargs[1]
     config = _lint_config(session, pytorch_root)
-    session.install("torch==2.13.0", "-e", ".", *LINT_REQUIREMENTS)
+    session.install("-r", ".ci/requirements-torch-2.13.txt", "-e", ".", *LINT_REQUIREMENTS)
     # Not under .nox: flake8 and pyrefly skip files below hidden directories.
     work = Path(tempfile.mkdtemp(prefix="torch-patch-lint-"))
     try:
@@ -557,14 +568,16 @@ def commits(session: nox.Session) -> None:
     only = {int(arg) for arg in session.posargs}
     # With CI set (as in PyTorch's CI and ours), `python test/<file>.py` makes run_tests()
     # write a JUnit XML report through xmlrunner, which upstream CI installs from this package.
-    session.install("-e", ".[test]", "unittest-xml-reporting")
+    session.install(
+        "-r", ".ci/requirements-torch-2.13.txt", "-e", ".[test]", "unittest-xml-reporting"
+    )
     work = Path(tempfile.mkdtemp(prefix="torch-patch-commits-"))
     try:
         series = work / "series"
         session.run("torch-patch", "export", str(series), silent=True)
         library = [
             line
-            for line in (Path("torch_patch/patches/series").read_text().split())
+            for line in (Path("torch_patch/patches/2.13/series").read_text().split())
             if line.endswith(".patch")
         ]
         exported = (series / "series").read_text().split()
@@ -582,7 +595,7 @@ def commits(session: nox.Session) -> None:
             prefix = work / f"series-{k}"
             prefix.mkdir()
             for lib in library[:k]:
-                shutil.copyfile(Path("torch_patch/patches") / lib, prefix / lib)
+                shutil.copyfile(Path("torch_patch/patches/2.13") / lib, prefix / lib)
             (prefix / "series").write_text("".join(f"{lib}\n" for lib in library[:k]))
             tree = work / f"tree-{k}"
             session.run(
@@ -611,3 +624,46 @@ def commits(session: nox.Session) -> None:
             )
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+
+# ---------------------------------------------------------------------------
+# the other release lines: torch_patch/patches/2.14/ and 2.15/
+# ---------------------------------------------------------------------------
+
+# The release between 2.13 and the newest: the family, export, Dynamo and tool suites.
+_MIDDLE_LINE_TESTS = (
+    "test/test_pytree_family.py",
+    "test/test_pytree_family_lazy.py",
+    "test/test_pytree_fast_path.py",
+    "test/test_pytree_hf_cache.py",
+    "test/dynamo",
+    "test/export",
+    "test/torch_patch",
+)
+
+
+@nox.session(name="tests-2.14")
+def tests_2_14(session: nox.Session) -> None:
+    """torch 2.14.1 and its series: the family, Dynamo, export and tool suites.
+
+    A CUDA build, which runs on the CPU (about 4 GB with its nvidia packages); latest
+    transformers.
+    """
+    _run_suite(
+        session,
+        line="2.14",
+        hypothesis_profile="pytree-quick",
+        default_tests=_MIDDLE_LINE_TESTS,
+    )
+
+
+@nox.session(name="tests-2.15")
+def tests_2_15(session: nox.Session) -> None:
+    """torch 2.15.0, the newest supported release, and its series: the whole suite.
+
+    A CUDA build, which runs on the CPU (about 4 GB with its nvidia packages); latest
+    transformers; 200 hypothesis examples per property (tests-latest runs the >= 100,000-example
+    profile on 2.13.0).
+    """
+    _run_suite(session, line="2.15", hypothesis_profile="pytree-quick")
