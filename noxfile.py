@@ -22,13 +22,13 @@ import nox
 nox.options.default_venv_backend = "venv"  # never uv: it would fetch CUDA torch wheels
 nox.options.sessions = [
     "tests-latest",
+    "tests-2.15",
+    "tests-2.14",
     "tests-hf431",
     "tests-hf446",
     "tests-ci-pins",
     "lint",
     "commits",
-    "tests-2.14",
-    "tests-2.15",
 ]
 nox.options.error_on_missing_interpreters = True
 

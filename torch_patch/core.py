@@ -551,12 +551,14 @@ def check_base(t: Target) -> str:
 
 
 def target_release(t: Target) -> str:
-    """The target's torch release without a local suffix ("2.14.1"), for messages; the default
-    line's release when it cannot be told or is not supported."""
+    """The target's torch release as x.y.z ("2.14.1" for "2.14.1+cu130", "2.13.0" for a checkout's
+    "2.13.0a0"), for messages; the default line's release when it cannot be told or is not
+    supported."""
     version = None if t.torch_missing else read_torch_version(t.root)
-    if release_line(version) is None:
+    m = re.match(r"\d+\.\d+\.\d+", version or "")
+    if m is None or release_line(version) is None:
         return EXPECTED_TORCH_VERSION
-    return (version or "").split("+", 1)[0]
+    return m.group(0)
 
 
 def target_line(t: Target) -> str:

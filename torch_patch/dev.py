@@ -34,8 +34,9 @@ def base_message(release: str) -> str:
 
 
 def release_of(version: str) -> str:
-    """"2.14.1" for "2.14.1+cu130"."""
-    return version.split("+", 1)[0]
+    """"2.14.1" for "2.14.1+cu130", "2.13.0" for "2.13.0a0"."""
+    m = re.match(r"\d+\.\d+\.\d+", version)
+    return m.group(0) if m else version.split("+", 1)[0]
 
 
 # The default (2.13) line's; a dev tree of another release is tagged with that release.

@@ -579,6 +579,18 @@ def test_release_line_of_a_version():
     assert core.series_dir_for(None) == core.PATCHES_DIR / "2.13"
 
 
+@pytest.mark.parametrize("version,release", [("2.14.1+cu130", "2.14.1"), ("2.13.0a0", "2.13.0"),
+                                             ("2.15.0", "2.15.0"), ("2.16.0", "2.13.0")])
+def test_target_release_for_messages(tmp_path, version, release):
+    # what messages name (`pip install torch==X`, `git reset --hard vX`): x.y.z of a supported
+    # target, the default line's release otherwise
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "version.py").write_text(f"__version__ = '{version}'\n")
+    t = core.Target(tmp_path, "checkout", tmp_path / ".torch-patch")
+    assert core.target_release(t) == release
+    assert torch_patch.dev.release_of(version) == version.split("+")[0].replace("a0", "")
+
+
 def test_shipped_series_of_every_line():
     # Every supported line ships a series of the same concerns in the same order; an entry of
     # another line's directory names a file of an earlier line, never an entry that is shared.
