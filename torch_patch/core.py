@@ -287,6 +287,12 @@ def release_line(version: Optional[str]) -> Optional[str]:
     return line if line in RELEASE_LINES else None
 
 
+def release_of(version: str) -> str:
+    """The release as x.y.z: "2.14.1" for "2.14.1+cu130", "2.13.0" for "2.13.0a0"."""
+    m = re.match(r"\d+\.\d+\.\d+", version)
+    return m.group(0) if m else version.split("+", 1)[0]
+
+
 def series_dir_for(line: Optional[str]) -> Path:
     """The shipped series of a release line (default: the 2.13 line)."""
     return PATCHES_DIR / (line or DEFAULT_LINE)
@@ -555,10 +561,9 @@ def target_release(t: Target) -> str:
     "2.13.0a0"), for messages; the default line's release when it cannot be told or is not
     supported."""
     version = None if t.torch_missing else read_torch_version(t.root)
-    m = re.match(r"\d+\.\d+\.\d+", version or "")
-    if m is None or release_line(version) is None:
+    if version is None or release_line(version) is None:
         return EXPECTED_TORCH_VERSION
-    return m.group(0)
+    return release_of(version)
 
 
 def target_line(t: Target) -> str:

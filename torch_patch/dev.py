@@ -20,8 +20,8 @@ from typing import Dict, List, Optional
 
 from .core import (EXPECTED_TORCH_VERSION, PATCHES_DIR, RELEASE_LINES, Log, TorchPatchError, _print,
                    check_base, git_env, load_record, load_series, patch_files, read_series_names,
-                   release_line, require_git, resolve_target, run_git, series_dir_for, sha256_file,
-                   stock_files)
+                   release_line, release_of, require_git, resolve_target, run_git, series_dir_for,
+                   sha256_file, stock_files)
 
 
 def base_tag(release: str) -> str:
@@ -31,12 +31,6 @@ def base_tag(release: str) -> str:
 
 def base_message(release: str) -> str:
     return f"PyTorch v{release} (python sources of the torch=={release} wheel)"
-
-
-def release_of(version: str) -> str:
-    """"2.14.1" for "2.14.1+cu130", "2.13.0" for "2.13.0a0"."""
-    m = re.match(r"\d+\.\d+\.\d+", version)
-    return m.group(0) if m else version.split("+", 1)[0]
 
 
 # The default (2.13) line's; a dev tree of another release is tagged with that release.

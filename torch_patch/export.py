@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import List, Optional
 
 from .core import (PATCHES_DIR, Log, TorchPatchError, _print, check_base, git_env, load_record,
-                   load_series, release_line, require_git, resolve_target, run_git, stock_files)
-from .dev import (FIXED_IDENTITY, _git_commit_all, base_message, base_tag, format_patches, git_am,
-                  release_of)
+                   load_series, release_line, release_of, require_git, resolve_target, run_git,
+                   stock_files)
+from .dev import FIXED_IDENTITY, _git_commit_all, base_message, base_tag, format_patches, git_am
 from .upstream import BENCHMARKS_COMMIT_MESSAGE, TESTS_COMMIT_MESSAGE
 
 TOOL_TESTS = "test/torch_patch/"
