@@ -3,13 +3,16 @@
 Each test session installs a torch release (.ci/requirements-torch-<line>.txt: 2.13.0 unless the
 session names another line) and this package with its test extras into a fresh venv
 (.nox/<session>), applies the series of that release line to that venv's torch with
-`torch-patch apply` (a no-op when the session is reused), then runs the whole suite.  Arguments after `--` replace the default `test`:
-`nox -s tests-latest -- test/test_pytree_family.py -x`.  `lint` runs PyTorch's lint gates on the
-exported series; `commits` checks every library commit against its own Test Plan, with only
-the commits before it.
+`torch-patch apply` (a no-op when the session is reused), then runs the whole suite.  Every
+session deletes its venv when it ends, unless `-r` asks nox to reuse the venvs: a whole run then
+needs about 7 GB of disk at a time instead of 21.  Arguments after `--` replace the default
+`test`: `nox -s tests-latest -- test/test_pytree_family.py -x`.  `lint` runs PyTorch's lint
+gates on the exported series; `commits` checks every library commit against its own Test Plan,
+with only the commits before it.
 """
 
 import collections
+import functools
 import re
 import shutil
 import tempfile
@@ -31,6 +34,44 @@ nox.options.sessions = [
     "commits",
 ]
 nox.options.error_on_missing_interpreters = True
+
+# The venvs of a whole run take about 21 GB (6 GB for each CUDA build of torch 2.14.1 and
+# 2.15.0); a CI machine may have less.  Without -r/--reuse-existing-virtualenvs the next run
+# recreates every venv anyway, so a session deletes its own once it ends, pass or fail: a run
+# then needs about 7 GB at a time, plus pip's cache.  With -r the venvs stay, to be reused.
+_GB = 1024**3
+
+
+def _session(name: str, *, needs_gb: float = 3.0) -> Callable[
+    [Callable[[nox.Session], None]], Callable[[nox.Session], None]
+]:
+    """`nox.session(name=name)`, plus a check of the free disk first and freeing the venv after."""
+
+    def decorate(
+        run: Callable[[nox.Session], None],
+    ) -> Callable[[nox.Session], None]:
+        @functools.wraps(run)
+        def wrapper(session: nox.Session) -> None:
+            venv = Path(session.virtualenv.location)
+            free = shutil.disk_usage(venv.parent).free / _GB
+            session.log(f"{free:.1f} GB free on the disk of {venv.parent}")
+            installed = any(venv.glob("lib/python*/site-packages/torch/__init__.py"))
+            if free < needs_gb and not installed:
+                session.error(
+                    f"{name} needs about {needs_gb:.0f} GB free for its venv, and "
+                    f"{venv.parent} has {free:.1f} GB: free some space there (the venvs "
+                    "kept by an earlier `nox -r` are in that directory)"
+                )
+            try:
+                run(session)
+            finally:
+                if not session.virtualenv.reuse_existing:
+                    session.log(f"removing {venv} (pass -r to keep it for the next run)")
+                    shutil.rmtree(venv, ignore_errors=True)
+
+        return nox.session(name=name)(wrapper)
+
+    return decorate
 
 
 def _run_suite(
@@ -63,13 +104,13 @@ def _run_suite(
     return env
 
 
-@nox.session(name="tests-latest")
+@_session("tests-latest")
 def tests_latest(session: nox.Session) -> None:
     """Latest transformers (and numpy 2); the full CI hypothesis profile (>= 100,000 examples)."""
     _run_suite(session, hypothesis_profile="pytree-ci")
 
 
-@nox.session(name="tests-hf431")
+@_session("tests-hf431")
 def tests_hf431(session: nox.Session) -> None:
     """transformers 4.31.0, the oldest supported release (needs numpy<2 and its tokenizers)."""
     _run_suite(
@@ -81,7 +122,7 @@ def tests_hf431(session: nox.Session) -> None:
     )
 
 
-@nox.session(name="tests-hf446")
+@_session("tests-hf446")
 def tests_hf446(session: nox.Session) -> None:
     """transformers 4.46.3, where Cache is a torch.nn.Module (4.36 to 4.5x).
 
@@ -113,7 +154,7 @@ _DYNAMO_WRAPPED_TESTS = (
 )
 
 
-@nox.session(name="tests-ci-pins")
+@_session("tests-ci-pins")
 def tests_ci_pins(session: nox.Session) -> None:
     """The test dependencies pinned as in PyTorch's CI, without transformers and diffusers.
 
@@ -348,7 +389,7 @@ def _findings(output: str) -> collections.Counter[str]:
     return found
 
 
-@nox.session(name="lint")
+@_session("lint")
 def lint(session: nox.Session) -> None:
     """PyTorch's lint gates on the exported series: no finding that stock v2.13.0 does not have.
 
@@ -553,7 +594,7 @@ def _test_plan_commands(patch: Path) -> list[list[str]]:
     return commands
 
 
-@nox.session(name="commits")
+@_session("commits")
 def commits(session: nox.Session) -> None:
     """Each library commit of the exported series passes its own Test Plan on top of the ones before it.
 
@@ -643,7 +684,7 @@ _MIDDLE_LINE_TESTS = (
 )
 
 
-@nox.session(name="tests-2.14")
+@_session("tests-2.14", needs_gb=7.0)
 def tests_2_14(session: nox.Session) -> None:
     """torch 2.14.1 and its series: the family, Dynamo, export and tool suites.
 
@@ -658,7 +699,7 @@ def tests_2_14(session: nox.Session) -> None:
     )
 
 
-@nox.session(name="tests-2.15")
+@_session("tests-2.15", needs_gb=7.0)
 def tests_2_15(session: nox.Session) -> None:
     """torch 2.15.0, the newest supported release, and its series: the whole suite.
 
