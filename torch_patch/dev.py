@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from .core import (EXPECTED_TORCH_VERSION, PATCHES_DIR, RELEASE_LINES, Log, TorchPatchError, _print,
+from .core import (PATCHES_DIR, RELEASE_LINES, Log, TorchPatchError, _print,
                    check_base, git_env, load_record, load_series, patch_files, read_series_names,
                    release_line, release_of, require_git, resolve_target, run_git, series_dir_for,
                    sha256_file, stock_files)
@@ -33,9 +33,6 @@ def base_message(release: str) -> str:
     return f"PyTorch v{release} (python sources of the torch=={release} wheel)"
 
 
-# The default (2.13) line's; a dev tree of another release is tagged with that release.
-BASE_TAG = base_tag(EXPECTED_TORCH_VERSION)
-BASE_MESSAGE = base_message(EXPECTED_TORCH_VERSION)
 DEV_GITIGNORE = "*\n!*/\n!*.py\n!.gitignore\n"
 FIXED_IDENTITY = {
     "GIT_AUTHOR_NAME": "torch-patch",
@@ -254,5 +251,4 @@ def dev_export(dev_dir: Optional[os.PathLike] = None, *, patches_dir: Optional[o
     return list(new)
 
 
-__all__ = ["dev_create", "dev_export", "BASE_TAG", "FORMAT_PATCH_OPTS", "read_series_names", "base_tag",
-           "same_change"]
+__all__ = ["dev_create", "dev_export", "FORMAT_PATCH_OPTS", "read_series_names", "base_tag", "same_change"]
