@@ -287,10 +287,9 @@ def _state(ex: Exam) -> Tuple[int, str, str]:
     if not patched:
         return EXIT_NOT_APPLIED, "not applied", f"not applied: {head}"
     if len(patched) == len(ex.kinds):
-        note = ("" if ex.saved else " — committed in this checkout (e.g. with `git am`)" if _committed(t, patched)
-                else " — not by torch-patch (e.g. plain `git apply`)")
-        if ex.label == "an earlier series":
-            note = f" — torch_patch now has another series for {t.line}: `torch-patch apply {t.arg}` replaces it"
+        note = (f" — torch_patch now has another series for {t.line}: `torch-patch apply {t.arg}` replaces it" if
+                ex.label == "an earlier series" else "" if ex.saved else " — committed in this checkout (e.g. with "
+                "`git am`)" if _committed(t, patched) else " — not by torch-patch (e.g. plain `git apply`)")
         return EXIT_APPLIED, "applied", f"applied: {head}{note}"
     if set(patched) <= set(ex.series.created):
         return EXIT_NOT_APPLIED, "not applied", (f"not applied: {head} — left over from an earlier apply (torch "
@@ -300,7 +299,8 @@ def _state(ex: Exam) -> Tuple[int, str, str]:
 
 
 @contextlib.contextmanager
-def _locked(t: Target, verb: str = "", series: Optional[Series] = None, log: Log = print) -> Iterator[None]:
+def _locked(t: Target, verb: str = "", series: Optional[Series] = None,
+            log: Log = lambda message: print(message, file=sys.stderr)) -> Iterator[None]:
     """One torch-patch at a time per target: a flock on its root, shared unless ``verb`` changes files, whose OSError
     (disk full, read-only, EXDEV, EIO...) becomes one line: what failed, the fix, what the target is now."""
     fd, mode = os.open(t.root, os.O_RDONLY), fcntl.LOCK_EX if verb else fcntl.LOCK_SH

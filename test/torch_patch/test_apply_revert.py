@@ -286,22 +286,23 @@ def test_read_only_target(target, test_series):
 
 
 def test_one_process_at_a_time(target, test_series):
-    """Two applies while a third holder has the lock: both wait and say so, then one applies and the other
-    finds the series applied."""
+    """Two applies and a `status --json` while another holder has the lock: they wait and say so (status on
+    stderr, its stdout stays JSON), then one applies, the other finds the series applied."""
     fd = os.open(target, os.O_RDONLY)
     fcntl.flock(fd, fcntl.LOCK_EX)
     cmd = [sys.executable, "-m", "torch_patch", "apply", str(target), "--series", str(test_series)]
-    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env=dict(os.environ, PYTHONPATH=str(REPO))) for _ in range(2)]
+    procs = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=dict(os.environ, PYTHONPATH=str(REPO)))
+             for args in (cmd, cmd, [*cmd[:3], "status", *cmd[4:], "--json"])]
     try:
-        for p in procs:
-            assert p.stdout.readline() == f"waiting for another torch-patch working on {target} to finish…\n"
+        for p, stream in zip(procs, ("stdout", "stdout", "stderr")):
+            assert getattr(p, stream).readline() == f"waiting for another torch-patch working on {target} to finish…\n"
     finally:
         os.close(fd)
-    outs = [p.communicate()[0].splitlines()[-1] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0]
-    assert sorted(outs) == [f"already applied: {head(target, test_series)}; nothing to do",
-                            f"applied: {head(target, test_series)}"]
+    outs = [p.communicate()[0] for p in procs]
+    assert [p.returncode for p in procs[:2]] == [0, 0] and json.loads(outs[2])["state"] in ("applied", "not applied")
+    assert sorted(out.splitlines()[-1] for out in outs[:2]) == [
+        f"already applied: {head(target, test_series)}; nothing to do", f"applied: {head(target, test_series)}"]
 
 
 def test_ctrl_c_says_what_the_target_is(target, test_series):
@@ -316,8 +317,8 @@ def test_ctrl_c_says_what_the_target_is(target, test_series):
         proc.send_signal(signal.SIGINT)
     finally:
         os.close(fd)
-    assert proc.communicate()[1] == f"torch-patch: error: stopped by Ctrl-C; the target is now not applied: " \
-                                    f"{head(target, test_series)}\n" and proc.returncode == 130
+    assert proc.communicate()[1].splitlines()[-1] == f"torch-patch: error: stopped by Ctrl-C; the target is now not " \
+                                                    f"applied: {head(target, test_series)}" and proc.returncode == 130
 
 
 @pytest.mark.parametrize("version,nearest", [("2.16.0", "2.15.0"), ("2.12.1", "2.13.0"), ("3.0.0", "2.15.0"),
