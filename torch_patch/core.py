@@ -478,6 +478,6 @@ def stock_file_path(path: str, target: Optional[os.PathLike] = None, *,
         return Path(st.stock_files.get(rel, t.root / rel))
     raise TorchPatchError(f"no stock version of {rel} is on disk: " + (
         f"{t.root / rel} is no file of the torch package (pass a path like torch/utils/_pytree.py)" if rel not in
-        st.files else f"stock torch has no such file (the series adds it)" if st.files[rel] != OTHER and rel in
+        st.files else "stock torch has no such file (the series adds it)" if st.files[rel] != OTHER and rel in
         load_series(series_dir, line=t.line).created else f"{st.message}; take it from git (`git show "
         f"v{t.release}:{rel}`) or from the wheel"))

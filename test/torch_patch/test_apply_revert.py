@@ -23,7 +23,6 @@ from tp_helpers import (NEW_FILE, RELEASE, REPO, RUNNING, TEST_FILES, git, run_c
                         tree_digest, without_state)
 
 import torch_patch
-from torch_patch import core
 
 
 def head(target: Path, series: Path, n: int = 2, label: str = "") -> str:
@@ -93,6 +92,25 @@ def _inject(monkeypatch, target: Path, where: str, after: int, err: int) -> None
     monkeypatch.setattr(Path, "write_bytes", write_bytes)
 
 
+def _ready(target: Path, series: Path, verb: str):
+    """The stock and patched digests of the target, which is left stock before an apply, patched before a revert."""
+    stock = tree_digest(target)
+    torch_patch.apply(target, series_dir=series, log=lambda s: None)
+    patched = without_state(tree_digest(target))
+    if verb == "apply":
+        torch_patch.revert(target, series_dir=series, log=lambda s: None)
+    return stock, patched
+
+
+def _finished_both_ways(tmp_path: Path, target: Path, series: Path, stock: dict, patched: dict) -> None:
+    """The next apply of the interrupted target patches it; the next revert (of a copy) makes it stock."""
+    shutil.copytree(target, tmp_path / "copy")
+    assert run_cli("apply", target, "--series", series).returncode == 0
+    assert without_state(tree_digest(target)) == patched
+    assert run_cli("revert", tmp_path / "copy", "--series", series).returncode == 0
+    assert tree_digest(tmp_path / "copy") == stock
+
+
 CASES = [("apply", "replace", k, errno.EXDEV) for k in range(3)] + [("apply", "write", k, errno.ENOSPC)
                                                                     for k in range(3)]
 CASES += [("revert", "replace", k, errno.EIO) for k in range(2)]
@@ -101,11 +119,7 @@ CASES += [("revert", "replace", k, errno.EIO) for k in range(2)]
 @pytest.mark.parametrize("verb,where,after,err", CASES)
 def test_oserror_at_any_file_is_finished_by_apply_or_revert(monkeypatch, tmp_path, target, test_series, verb,
                                                             where, after, err):
-    stock = tree_digest(target)
-    torch_patch.apply(target, series_dir=test_series, log=lambda s: None)
-    patched = without_state(tree_digest(target))
-    if verb == "apply":
-        torch_patch.revert(target, series_dir=test_series, log=lambda s: None)
+    stock, patched = _ready(target, test_series, verb)
     with monkeypatch.context() as m:
         _inject(m, target, where, after, err)
         with pytest.raises(torch_patch.TorchPatchError) as e:
@@ -118,20 +132,14 @@ def test_oserror_at_any_file_is_finished_by_apply_or_revert(monkeypatch, tmp_pat
     st = torch_patch.status(target, series_dir=test_series)
     assert (st.state, st.code) == (state, 1 if state == "not applied" else 4)
     if state == "partly applied":
-        assert f"{switched if verb == 'apply' else 3 - switched} of 3 files patched; `torch-patch apply {target}` finishes it, `torch-patch revert " \
-               f"{target}` undoes it" in st.message
+        assert f"{switched if verb == 'apply' else 3 - switched} of 3 files patched; `torch-patch apply {target}` " \
+               f"finishes it, `torch-patch revert {target}` undoes it" in st.message
     assert not [p for p in target.rglob("*.torch-patch-tmp")]
-    other = tmp_path / "copy"
-    shutil.copytree(target, other)
-    torch_patch.apply(target, series_dir=test_series, log=lambda s: None)
-    assert without_state(tree_digest(target)) == patched
-    torch_patch.revert(other, series_dir=test_series, log=lambda s: None)
-    assert tree_digest(other) == stock
+    _finished_both_ways(tmp_path, target, test_series, stock, patched)
 
 
 KILL = """
 import os, sys
-from pathlib import Path
 import torch_patch
 real, done = os.replace, []
 def replace(src, dst):
@@ -146,22 +154,13 @@ getattr(torch_patch, sys.argv[1])(sys.argv[3], series_dir=sys.argv[4])
 
 @pytest.mark.parametrize("verb,after", [("apply", 1), ("apply", 2), ("revert", 1)])
 def test_kill_is_finished_by_apply_or_revert(tmp_path, target, test_series, verb, after):
-    stock = tree_digest(target)
-    torch_patch.apply(target, series_dir=test_series, log=lambda s: None)
-    patched = without_state(tree_digest(target))
-    if verb == "apply":
-        torch_patch.revert(target, series_dir=test_series, log=lambda s: None)
+    stock, patched = _ready(target, test_series, verb)
     r = subprocess.run([sys.executable, "-c", KILL, verb, str(after), str(target), str(test_series)],
                        env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True)
     assert r.returncode == 9, r.stderr
     r = run_cli("status", target, "--series", test_series)
     assert r.returncode == 4 and r.stdout.startswith("partly applied: "), r.stdout
-    other = tmp_path / "copy"
-    shutil.copytree(target, other)
-    assert run_cli("apply", target, "--series", test_series).returncode == 0
-    assert without_state(tree_digest(target)) == patched
-    assert run_cli("revert", other, "--series", test_series).returncode == 0
-    assert tree_digest(other) == stock
+    _finished_both_ways(tmp_path, target, test_series, stock, patched)
 
 
 def test_disk_full_while_saving_changes_nothing(monkeypatch, target, test_series):
@@ -244,7 +243,8 @@ def test_series_of_an_earlier_torch_patch_is_replaced(target, test_series, first
                                            f"torch_patch now has another series for {RUNNING.line}: `torch-patch "
                                            f"apply {target}` replaces it\n")
     r = run_cli("apply", target, "--series", test_series)
-    assert r.returncode == 0 and r.stdout.splitlines() == [f"reverting {head(target, test_series, 1, 'an earlier series')} first",
+    earlier = head(target, test_series, 1, "an earlier series")
+    assert r.returncode == 0 and r.stdout.splitlines() == [f"reverting {earlier} first",
                                                            f"applied: {head(target, test_series)}"], r.stderr
     assert run_cli("revert", target, "--series", test_series).returncode == 0
     assert tree_digest(target) == stock
@@ -296,7 +296,8 @@ def test_one_process_at_a_time(target, test_series):
              for args in (cmd, cmd, [*cmd[:3], "status", *cmd[4:], "--json"])]
     try:
         for p, stream in zip(procs, ("stdout", "stdout", "stderr")):
-            assert getattr(p, stream).readline() == f"waiting for another torch-patch working on {target} to finish…\n"
+            assert getattr(p, stream).readline() == f"waiting for another torch-patch working on {target} to " \
+                                                    f"finish…\n"
     finally:
         os.close(fd)
     outs = [p.communicate()[0] for p in procs]
@@ -373,7 +374,8 @@ def test_checkout_with_the_series_applied_by_git(tmp_path, template, test_series
     `git apply -R`) and leaves the commits of `git am` to git."""
     co = standin_checkout(tmp_path / "pytorch", template)
     git(how, *[str(test_series / n) for n in series_names(test_series)], cwd=co)
-    note = {"am": "committed in this checkout (e.g. with `git am`)", "apply": "not by torch-patch (e.g. plain `git apply`)"}
+    note = {"am": "committed in this checkout (e.g. with `git am`)",
+            "apply": "not by torch-patch (e.g. plain `git apply`)"}
     r = run_cli("status", co, "--series", test_series)
     assert (r.returncode, r.stdout) == (0, f"applied: {head(co, test_series)} — {note[how]}\n")
     r = run_cli("apply", co, "--series", test_series)

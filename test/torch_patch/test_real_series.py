@@ -1,8 +1,9 @@
 """The real series on a whole, importable torch: `torch-patch apply` and `revert` in a venv.
 
 The venv's torch is a *farm* of this venv's: real directories, each file (but bytecode) a symlink to this
-venv's torch but the files the series touches, which are real copies of their stock versions (the tool only ever replaces those,
-never writing through a link). The venv sees this venv's other packages and this checkout's torch_patch.
+venv's torch, but the files the series touches, which are real copies of their stock versions (the tool only
+ever replaces those, never writing through a link). The venv sees this venv's other packages and this
+checkout's torch_patch.
 
 Run: python -m pytest test/torch_patch -q
 """
