@@ -1,3 +1,5 @@
+import re
+
 from setuptools import setup
 
 
@@ -15,7 +17,7 @@ _TEST_CORE = [
 
 setup(
     name="torch_patch",
-    version="0.1.0",
+    version=re.search(r'__version__ = "(.+)"', open("torch_patch/__init__.py", encoding="utf-8").read())[1],
     description="Pytree families for PyTorch 2.13, 2.14 and 2.15, shipped as git patch series, and the torch-patch tool",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",

@@ -1,12 +1,8 @@
-"""The dev tree: a git work tree of the stock torch package with the series as commits.
+"""The developer's verbs: the dev tree (``dev DIR``, ``dev --export``) and the upstream series (``export``).
 
-``dev_create(DIR)`` copies the installed torch package (stock files, verified against the wheel's
-RECORD) into ``DIR/torch``, tracks only ``*.py`` in git, commits it as ``v<its release>`` (e.g.
-``v2.14.1``) with a fixed identity and date, and ``git am``s the series of that release line on
-top, so ``PYTHONPATH=DIR python`` imports the patched torch.  ``dev_export(DIR)`` turns
-``v<release>..HEAD`` back into ``torch_patch/patches/<line>/``; a patch that is the same as a
-patch of an earlier line but for its line numbers and blob hashes is not written again: the
-series names that line's file (``../2.13/NAME``).
+A dev tree is the installed torch's stock files, ``*.py`` committed as ``v<release>`` with a fixed identity and
+date, and the series `git am`-ed: the same series always gives the same commits. ``dev_export`` writes them back
+with pinned `git format-patch` options, ``export`` each with the tests and benchmarks its Test Plan names.
 """
 
 from __future__ import annotations
@@ -18,237 +14,241 @@ import tempfile
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from .core import (PATCHES_DIR, RELEASE_LINES, Log, TorchPatchError, _print,
-                   check_base, git_env, load_record, load_series, patch_files, read_series_names,
-                   release_line, release_of, require_git, resolve_target, run_git, series_dir_for,
-                   sha256_file, stock_files)
+from .core import (PATCHES_DIR, RELEASE_LINES, Log, TorchPatchError, _read, git_env, load_series, release_line,
+                   resolve_target, run_git, stock_versions)
+from .upstream import BENCHMARKS_COMMIT_MESSAGE, TESTS_COMMIT_MESSAGE
 
 
-def base_tag(release: str) -> str:
-    """The tag of the stock commit of a dev tree of torch ``release`` ("2.14.1" -> "v2.14.1")."""
-    return f"v{release}"
+def identity(name: str, email: str, date: str) -> Dict[str, str]:  # of a commit's author and committer
+    return {f"GIT_{who}_{what}": value for who in ("AUTHOR", "COMMITTER")
+            for what, value in (("NAME", name), ("EMAIL", email), ("DATE", date))}
 
 
-def base_message(release: str) -> str:
-    return f"PyTorch v{release} (python sources of the torch=={release} wheel)"
-
-
-DEV_GITIGNORE = "*\n!*/\n!*.py\n!.gitignore\n"
-FIXED_IDENTITY = {
-    "GIT_AUTHOR_NAME": "torch-patch",
-    "GIT_AUTHOR_EMAIL": "torch-patch@localhost",
-    "GIT_AUTHOR_DATE": "2000-01-01T00:00:00Z",
-    "GIT_COMMITTER_NAME": "torch-patch",
-    "GIT_COMMITTER_EMAIL": "torch-patch@localhost",
-    "GIT_COMMITTER_DATE": "2000-01-01T00:00:00Z",
-}
-DEV_ENV = "TORCH_PATCH_DEV"
-
-# `git format-patch` options chosen so that the same commits always give the same bytes,
-# whatever the machine, git config or terminal:
-#   --zero-commit     "From 0000… Mon Sep 17 00:00:00 2001" instead of the commit hash (which
-#                     changes with the committer date / parent)
-#   --no-signature    no "-- \n2.39.5" git version trailer
-#   --full-index      full blob hashes in "index" lines (independent of core.abbrev)
-#   --no-numbered     "[PATCH]" subjects, so adding a patch does not rewrite every other one
-#   --no-renames, --diff-algorithm=myers, --src/dst-prefix, --no-relative, --no-thread,
-#   --no-cover-letter, --encode-email-headers: pin what config could otherwise change.
-# Git itself is run with GIT_CONFIG_GLOBAL=/dev/null and GIT_CONFIG_NOSYSTEM=1 (see git_env).
+FIXED_IDENTITY = identity("torch-patch", "torch-patch@localhost", "2000-01-01T00:00:00Z")
+# The same commits give the same bytes anywhere: no commit hash or git version in the output, full blob hashes,
+# "[PATCH]" subjects (a new patch renumbers no other), what git config could change pinned (and no config: git_env).
 FORMAT_PATCH_OPTS = [
-    "format-patch", "--zero-commit", "--no-signature", "--full-index", "--no-numbered",
-    "--no-renames", "--diff-algorithm=myers", "--src-prefix=a/", "--dst-prefix=b/", "--no-relative",
-    "--no-thread", "--no-cover-letter", "--encode-email-headers", "--no-color",
-]
+    "format-patch", "--zero-commit", "--no-signature", "--full-index", "--no-numbered", "--no-renames",
+    "--diff-algorithm=myers", "--src-prefix=a/", "--dst-prefix=b/", "--no-relative", "--no-thread",
+    "--no-cover-letter", "--encode-email-headers", "--no-color"]
 
 
-def _git_commit_all(repo: Path, message: str, identity: Optional[Dict[str, str]] = None) -> None:
-    env = git_env(identity or FIXED_IDENTITY)
-    run_git(["add", "-A", "."], repo, env=env)
-    run_git(["commit", "-q", "--no-verify", "-m", message], repo, env=env)
+def init_repo(repo: Path, release: str) -> None:
+    """Commit all of ``repo`` as the stock torch ``release``, tagged v<release>."""
+    message, env = f"PyTorch v{release} (python sources of the torch=={release} wheel)", git_env(FIXED_IDENTITY)
+    for args in (["-c", "init.defaultBranch=main", "init", "-q"], ["add", "-A", "."],
+                 ["commit", "-q", "--no-verify", "-m", message], ["tag", f"v{release}"]):
+        run_git(args, repo, env=env)
 
 
 def git_am(repo: Path, patches: List[Path]) -> None:
-    """`git am` patches with committer = fixed identity and committer date = author date, so the
-    resulting commit hashes only depend on the patches and the base.  ``--keep-non-patch`` keeps a
-    subject prefix such as ``[pytree]`` (plain `git am` strips every leading ``[...]``), so that
-    exporting the commits again gives the same patch files."""
+    """`git am`, the committer and date taken from the author (the commits depend on the patches and base only)."""
     env = git_env(FIXED_IDENTITY)
     for p in patches:
-        proc = run_git(["am", "-q", "--committer-date-is-author-date", "--keep-cr", "--keep-non-patch",
-                        str(p)], repo, env=env, check=False)
-        if proc.returncode != 0:
+        proc = run_git(["am", "-q", "--committer-date-is-author-date", "--keep-cr", "--keep-non-patch", str(p)],
+                       repo, env=env, check=False)
+        if proc.returncode:
             run_git(["am", "--abort"], repo, env=env, check=False)
             raise TorchPatchError(f"`git am {p.name}` failed in {repo}: "
-                                  f"{proc.stderr.decode(errors='replace').strip().splitlines()[0]}")
+                                  f"{proc.stderr.decode(errors='replace').strip().partition(chr(10))[0]}")
 
 
 def format_patches(repo: Path, rev_range: str, outdir: Path) -> List[Path]:
     proc = run_git([*FORMAT_PATCH_OPTS, "-o", str(outdir), rev_range], repo)
-    return [Path(line) for line in proc.stdout.decode().splitlines() if line.strip()]
-
-
-def _ignore_pycache(_dir, names):
-    return [n for n in names if n == "__pycache__"]
+    return [Path(f) for f in proc.stdout.decode().splitlines() if f]
 
 
 def dev_create(dev_dir: os.PathLike, *, source: Optional[os.PathLike] = None,
-               series_dir: Optional[os.PathLike] = None, log: Log = _print) -> Path:
-    """Create the dev tree DIR from the installed torch (``source``: its site-packages dir;
-    default: the torch this interpreter imports).  Returns DIR."""
+               series_dir: Optional[os.PathLike] = None, log: Log = print) -> Path:
+    """Create the dev tree DIR from the installed torch ``source`` (default: the one this Python imports)."""
     dev_dir = Path(dev_dir).expanduser().resolve()
     if dev_dir.exists() and any(dev_dir.iterdir()):
         raise TorchPatchError(f"{dev_dir} exists and is not empty; pass a new directory")
-    require_git()
     src = resolve_target(source, require_venv=False)
-    release = release_of(check_base(src))
-    series = load_series(series_dir, line=release_line(release))
-    record = load_record(src.root)
-    # the installed torch may be patched: which files, and where their stock bytes are, is
-    # decided from the files (the originals saved by apply, or the files themselves)
-    stock = stock_files(src, None, series=series)
-    created = not dev_dir.exists()
+    series = load_series(series_dir, line=src.line)
+    stock, created = stock_versions(src, series), not dev_dir.exists()
     try:
-        log(f"copying {src.root / 'torch'} to {dev_dir / 'torch'} (stock files, no __pycache__)…")
-        shutil.copytree(src.root / "torch", dev_dir / "torch", ignore=_ignore_pycache, symlinks=True,
-                        dirs_exist_ok=True)
-        # put the stock originals back where the installed torch is patched
-        for rel, path in stock.items():
-            dst = dev_dir / rel
-            if path is None:
-                dst.unlink(missing_ok=True)
-            elif path != src.root / rel:
-                shutil.copyfile(path, dst)
-        bad, unlisted = [], []
-        for path in sorted((dev_dir / "torch").rglob("*.py")):
-            rel = path.relative_to(dev_dir).as_posix()
-            if rel not in record:
-                unlisted.append(rel)
-            elif sha256_file(path) != record[rel]:
-                bad.append(rel)
-        if bad:
-            raise TorchPatchError(
-                f"{len(bad)} file(s) in {src.root} are not stock torch {release} "
-                f"(sha256 differs from the wheel's RECORD), e.g. {', '.join(bad[:3])}; "
-                f"pip install --force-reinstall torch=={release}")
-        if unlisted:
-            log(f"note: {len(unlisted)} .py file(s) not listed in RECORD, e.g. {unlisted[0]}")
-        (dev_dir / ".gitignore").write_text(DEV_GITIGNORE, encoding="utf-8")
-        env = git_env(FIXED_IDENTITY)
-        run_git(["-c", "init.defaultBranch=main", "init", "-q"], dev_dir, env=env)
-        _git_commit_all(dev_dir, base_message(release))
-        run_git(["tag", base_tag(release)], dev_dir, env=env)
+        log(f"copying {src.root / 'torch'} to {dev_dir / 'torch'} (the stock files, no __pycache__)…")
+        shutil.copytree(src.root / "torch", dev_dir / "torch", symlinks=True, dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+        for rel, data in stock.items():  # where the installed torch is patched
+            if data is None:
+                (dev_dir / rel).unlink(missing_ok=True)
+            else:
+                (dev_dir / rel).write_bytes(data)
+        (dev_dir / ".gitignore").write_text("*\n!*/\n!*.py\n!.gitignore\n", encoding="utf-8")
+        init_repo(dev_dir, src.release)
         git_am(dev_dir, [p.path for p in series.patches])
     except BaseException:
         if created:
             shutil.rmtree(dev_dir, ignore_errors=True)
         raise
-    log(f"dev tree ready at {dev_dir}: {base_tag(release)} + {len(series.patches)} patch(es) of "
-        f"{series.dir} as commits")
-    log(f"  edit and test:  PYTHONPATH={dev_dir} python -c 'import torch; print(torch.__file__)'")
-    log(f"  then commit there and run:  torch-patch dev --export {dev_dir}")
+    log(f"dev tree ready at {dev_dir}: v{src.release} and the {len(series.patches)} patches of {series.dir} as commits"
+        f"\n  test with:  PYTHONPATH={dev_dir} python ...\n  commit there, then:  torch-patch dev --export {dev_dir}")
     return dev_dir
 
 
-def default_patches_dir(line: Optional[str] = None) -> Path:
-    """torch_patch/patches/<line> of this source checkout (refuse to write into an installed copy)."""
-    if not (PATCHES_DIR.parent.parent / "setup.py").is_file():
-        raise TorchPatchError(f"{PATCHES_DIR} is not inside a torch_patch source checkout (no setup.py "
-                              f"next to the package); install with `pip install -e` or pass --patches-dir")
-    return series_dir_for(line)
-
-
-def _dev_base_tag(dev_dir: Path) -> str:
-    """The ``v<release>`` tag of a dev tree's stock commit (of a supported release line)."""
-    tags = run_git(["tag", "--list", "v*", "--merged", "HEAD"], dev_dir).stdout.decode().split()
-    roots = set(run_git(["rev-list", "--max-parents=0", "HEAD"], dev_dir).stdout.decode().split())
-    for tag in tags:
-        commit = run_git(["rev-parse", f"{tag}^{{commit}}"], dev_dir).stdout.decode().strip()
-        if commit in roots and release_line(tag[1:]) is not None:
-            return tag
-    lines = ", ".join(f"v{r}" for r in RELEASE_LINES.values())
-    raise TorchPatchError(f"{dev_dir} has no tag of a supported release (e.g. {lines}) on its first "
-                          f"commit; it is not a dev tree made by `torch-patch dev`")
-
-
-_INDEX_LINE = re.compile(rb"^index [0-9a-f]+\.\.[0-9a-f]+(?: \d+)?\n", re.M)
-_HUNK_HEADER = re.compile(rb"^@@ -\d+(?:,\d+)? \+\d+(?:,\d+)? @@.*\n", re.M)
-
-
 def same_change(a: bytes, b: bytes) -> bool:
-    """Whether two patches are the same change (message, files, context and lines) and differ at
-    most in their blob hashes and line numbers, so that one applies wherever the other does."""
+    """Two patches are the same change (message, files, context, lines) but for blob hashes and line numbers."""
     def norm(data: bytes) -> bytes:
-        return _HUNK_HEADER.sub(b"@@\n", _INDEX_LINE.sub(b"", data))
+        data = re.sub(rb"^index [0-9a-f]+\.\.[0-9a-f]+(?: \d+)?\n", b"", data, flags=re.M)
+        return re.sub(rb"^@@ -\d+(?:,\d+)? \+\d+(?:,\d+)? @@.*\n", b"@@\n", data, flags=re.M)
     return norm(a) == norm(b)
 
 
-def _shared_entry(name: str, data: bytes, out: Path) -> Optional[str]:
-    """``../<line>/<name>`` if an earlier release line next to ``out`` has a file ``name`` that is
-    the same change as ``data``; None otherwise.  Only files count (not entries that are
-    themselves shared), so every shared entry names a file."""
-    if out.name not in RELEASE_LINES:
-        return None
-    for line in RELEASE_LINES:
-        if line == out.name:
-            return None
-        other = out.parent / line / name
-        if other.is_file() and same_change(other.read_bytes(), data):
-            return f"../{line}/{name}"
-    return None
-
-
 def dev_export(dev_dir: Optional[os.PathLike] = None, *, patches_dir: Optional[os.PathLike] = None,
-               log: Log = _print) -> List[str]:
-    """Regenerate ``patches_dir`` (default: torch_patch/patches/<line> of this checkout, the line
-    of the dev tree's ``v<release>`` tag) from ``git format-patch v<release>..HEAD`` in the dev
-    tree.  Returns the new patch names."""
-    if dev_dir is None:
-        dev_dir = os.environ.get(DEV_ENV)
-        if not dev_dir:
-            raise TorchPatchError(f"no dev tree given: pass DIR or set {DEV_ENV}")
+               log: Log = print) -> List[str]:
+    """Rewrite ``patches_dir`` (default: torch_patch/patches/<line of the dev tree's tag> of this checkout) from
+    `git format-patch v<release>..HEAD`. Returns the patch names."""
+    dev_dir = dev_dir or os.environ.get("TORCH_PATCH_DEV")
+    if not dev_dir:
+        raise TorchPatchError("no dev tree given: pass DIR, or set TORCH_PATCH_DEV")
     dev_dir = Path(dev_dir).expanduser().resolve()
-    require_git()
     if not (dev_dir / ".git").exists():
         raise TorchPatchError(f"{dev_dir} is not a dev tree (no .git); create one with `torch-patch dev DIR`")
-    if run_git(["rev-parse", "-q", "--verify", "HEAD"], dev_dir, check=False).returncode:
-        raise TorchPatchError(f"{dev_dir} has no commits; it is not a dev tree made by `torch-patch dev`")
-    tag = _dev_base_tag(dev_dir)
-    dirty = run_git(["--no-optional-locks", "status", "--porcelain", "--untracked-files=no"], dev_dir).stdout.decode().splitlines()
+    first = run_git(["rev-list", "--max-parents=0", "HEAD"], dev_dir).stdout.decode().split()
+    tags = run_git(["tag", "--list", "v*", *(f"--points-at={c}" for c in first)], dev_dir).stdout.decode().split()
+    tag = next((tag for tag in tags if release_line(tag[1:])), None)
+    if tag is None:
+        raise TorchPatchError(f"{dev_dir} has no tag of a supported release (e.g. v{RELEASE_LINES['2.13']}) on its "
+                              f"first commit; it is not a dev tree made by `torch-patch dev`")
+    dirty = run_git(["--no-optional-locks", "status", "--porcelain", "--untracked-files=no"], dev_dir).stdout.decode()
     if dirty:
         raise TorchPatchError(f"{dev_dir} has uncommitted changes to tracked files "
-                              f"({', '.join(l[3:] for l in dirty[:5])}); commit or stash them first")
-    line = release_line(tag[1:])
-    out = Path(patches_dir).resolve() if patches_dir is not None else default_patches_dir(line)
+                              f"({', '.join(line[3:] for line in dirty.splitlines()[:5])}); commit or stash them first")
+    if patches_dir is None and not (PATCHES_DIR.parent.parent / "setup.py").is_file():
+        raise TorchPatchError(f"{PATCHES_DIR} is not in a torch_patch source checkout (no setup.py next to the "
+                              f"package); install it with `pip install -e`, or pass --patches-dir")
+    out = Path(patches_dir).resolve() if patches_dir is not None else PATCHES_DIR / release_line(tag[1:])
     with tempfile.TemporaryDirectory(prefix="torch-patch-export-") as tmp:
-        files = format_patches(dev_dir, f"{tag}..HEAD", Path(tmp))
-        new: Dict[str, bytes] = {}
-        for f in files:
-            data = f.read_bytes()
-            outside = [p for p in patch_files(data.decode(errors="replace")) if not p.startswith("torch/")]
-            if outside:
-                raise TorchPatchError(f"commit {f.name} touches {outside[0]}, outside torch/; library "
-                                      f"patches may only change torch/ (tests live in this repo's test/)")
-            new[f.name] = data
-    out.mkdir(parents=True, exist_ok=True)
-    entries = {name: _shared_entry(name, data, out) or name for name, data in new.items()}
-    changed = 0
+        new = {f.name: f.read_bytes() for f in format_patches(dev_dir, f"{tag}..HEAD", Path(tmp))}
     for name, data in new.items():
-        path = out / name
-        if entries[name] == name and (not path.exists() or path.read_bytes() != data):
-            path.write_bytes(data)
-            changed += 1
+        outside = [f for f in re.findall(rb"^diff --git a/(\S+) ", data, re.M) if not f.startswith(b"torch/")]
+        if outside:
+            raise TorchPatchError(f"commit {name} touches {outside[0].decode()}, outside torch/; library patches "
+                                  f"change only torch/ (tests live in this repo's test/)")
+    earlier = list(RELEASE_LINES)[:list(RELEASE_LINES).index(out.name)] if out.name in RELEASE_LINES else []
+    entries = {name: next((f"../{line}/{name}" for line in earlier if (out.parent / line / name).is_file() and
+                           same_change((out.parent / line / name).read_bytes(), data)), name)
+               for name, data in new.items()}
+    out.mkdir(parents=True, exist_ok=True)
+    written = [name for name, data in new.items() if entries[name] == name and _read(out / name) != data]
     removed = [p.name for p in sorted(out.glob("*.patch")) if entries.get(p.name) != p.name]
+    for name in written:
+        (out / name).write_bytes(new[name])
     for name in removed:
         (out / name).unlink()
-    shared = [e for e in entries.values() if "/" in e]
-    series_text = "".join(f"{e}\n" for e in entries.values())
-    series_path = out / "series"
-    if not series_path.exists() or series_path.read_text(encoding="utf-8") != series_text:
-        series_path.write_text(series_text, encoding="utf-8")
-    log(f"exported {len(new)} patch(es) from {dev_dir} ({tag}..HEAD) to {out} "
-        f"({changed} written, {len(shared)} shared with an earlier release line, {len(removed)} removed"
-        f"{': ' + ', '.join(removed) if removed else ''})")
+    series_file = "".join(f"{e}\n" for e in entries.values()).encode()
+    if _read(out / "series") != series_file:
+        (out / "series").write_bytes(series_file)
+    log(f"exported {len(new)} patches from {dev_dir} ({tag}..HEAD) to {out} ({len(written)} written, "
+        f"{sum('/' in e for e in entries.values())} shared with an earlier release line, {len(removed)} removed"
+        f"{': ' if removed else ''}{', '.join(removed)})")
     return list(new)
 
 
-__all__ = ["dev_create", "dev_export", "FORMAT_PATCH_OPTS", "read_series_names", "base_tag", "same_change"]
+def repo_files(repo: Path, top: str) -> List[str]:
+    """The files under ``top`` (tracked, or untracked and not ignored), repo-relative, without caches."""
+    if (repo / ".git").exists():
+        out = run_git(["ls-files", "-z", "--cached", "--others", "--exclude-standard", "--", top], repo).stdout
+        files = [f for f in out.decode().split("\0") if f and (repo / f).is_file()]
+    else:
+        files = [p.relative_to(repo).as_posix() for p in (repo / top).rglob("*") if p.is_file()]
+    return sorted(f for f in set(files) if not {"__pycache__", ".pytest_cache", ".hypothesis", ".mypy_cache"}
+                  & set(f.split("/")) and not f.endswith((".pyc", ".pyo")))
+
+
+def _needs(named: str, repo: Path, available: List[str]) -> List[str]:
+    """What `python <named>` needs: a benchmark, its directory; a test, the modules of its directory it imports."""
+    directory = named.rsplit("/", 1)[0]
+    if named.startswith("benchmarks/"):
+        return [f for f in available if f.startswith(directory + "/")]
+    needed, todo = set(), [named]
+    while todo:
+        needed.add(f := todo.pop())
+        text = (repo / f).read_text(encoding="utf-8", errors="replace")
+        todo += {f"{directory}/{m}.py" for m in re.findall(r"^\s*(?:from|import)\s+([A-Za-z_]\w*)\b", text, re.M)
+                 } & set(available) - needed
+    return sorted(needed)
+
+
+def export(outdir: os.PathLike, *, force: bool = False, series_dir: Optional[os.PathLike] = None,
+           repo: Optional[os.PathLike] = None, source: Optional[os.PathLike] = None,
+           cut: str = "full", log: Log = print) -> List[str]:
+    """Write the upstream series (patch files and ``series``) into OUTDIR; ``cut="generic"``: only the patches
+    before the first whose added lines name a HuggingFace library. Returns the names."""
+    outdir = Path(outdir).expanduser().resolve()
+    if outdir.exists() and any(outdir.iterdir()) and not force:
+        raise TorchPatchError(f"{outdir} exists and is not empty; choose a new directory or pass --force")
+    src = resolve_target(source, require_venv=False)
+    release, series = src.release, load_series(series_dir, line=src.line)
+    repo = Path(repo).resolve() if repo is not None else PATCHES_DIR.parent.parent
+    if not (repo / "test").is_dir():
+        raise TorchPatchError(f"export takes the tests and benchmarks of a torch_patch checkout; {repo} has no test/: "
+                              f"pass --repo DIR")
+    files = {"test": [f for f in repo_files(repo, "test") if not f.startswith("test/torch_patch/")],
+             "benchmarks": repo_files(repo, "benchmarks")}
+    available, library, per_patch = files["test"] + files["benchmarks"], series.patches, []
+    for patch in library:  # each library patch carries the files its Test Plan names first
+        message = patch.data.decode(errors="replace").split("\n---\n", 1)[0]
+        named = re.findall(r"^\s*python3?\s+(\S+\.py)\b", message.partition("\nTest Plan:")[2], re.M)
+        taken = {f for earlier in per_patch for f in earlier}
+        per_patch.append(sorted({f for n in named if n in available for f in _needs(n, repo, available)} - taken))
+    if cut == "generic":
+        added = ["\n".join(line for line in p.data.decode(errors="replace").split("\n---\n", 1)[-1].splitlines()
+                           if line.startswith("+") and not line.startswith("+++")) for p in library]
+        keep = next((i for i, text in enumerate(added) if re.search(
+            r"\b(?:transformers|diffusers|HuggingFace|huggingface)\b", text)), len(library))
+        if keep == 0:
+            raise TorchPatchError("the series has no generic part: its first patch is already HuggingFace-specific")
+        dropped = {f for later in per_patch[keep:] for f in later}
+        files = {kind: [f for f in kind_files if f not in dropped] for kind, kind_files in files.items()}
+        library, per_patch = library[:keep], per_patch[:keep]
+        log(f"generic cut: {keep} of {len(series.patches)} library patches (up to {library[-1].name}), without the "
+            f"{len(dropped)} files only the others' Test Plans name")
+    in_library = {f for carried in per_patch for f in carried}
+    with tempfile.TemporaryDirectory(prefix="torch-patch-export-") as tmp:
+        work, env = Path(tmp) / "pytorch", git_env(FIXED_IDENTITY)
+
+        def add(names: List[str]) -> None:
+            for f in names:
+                if (work / f).exists():
+                    raise TorchPatchError(f"{f} would overwrite a file of the library series; rename it")
+                (work / f).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(repo / f, work / f)
+            run_git(["add", "-f", "--", *names], work, env=env)
+
+        for rel, data in stock_versions(src, series).items():
+            if data is not None:
+                (work / rel).parent.mkdir(parents=True, exist_ok=True)
+                (work / rel).write_bytes(data)
+        (work / "README").write_text(f"stand-in for pytorch v{release}: only the files the series touches\n")
+        init_repo(work, release)
+        for patch, carried in zip(library, per_patch):
+            git_am(work, [patch.path])
+            if carried:
+                add(carried)
+                date = run_git(["log", "-1", "--format=%aI"], work, env=env).stdout.decode().strip()
+                run_git(["commit", "-q", "--amend", "--no-edit", "--no-verify"], work,
+                        env=git_env(dict(FIXED_IDENTITY, GIT_COMMITTER_DATE=date)))
+        # the commits on top carry the identity and date of the last library commit (stable bytes)
+        last = run_git(["log", "-1", "--format=%an%n%ae%n%aI"], work, env=env).stdout.decode().split("\n")
+        for kind, template in (("test", TESTS_COMMIT_MESSAGE), ("benchmarks", BENCHMARKS_COMMIT_MESSAGE)):
+            rest = [f for f in files[kind] if f not in in_library]
+            plan = "\n".join(f"    python {f}" for f in rest if f.endswith(".py") and (
+                kind == "benchmarks" or f.rsplit("/", 1)[-1].startswith("test_"))) or "    (no runnable files)"
+            if rest:
+                add(rest)
+                run_git(["commit", "-q", "--no-verify", "-m", template.format(test_plan=plan)], work,
+                        env=git_env(identity(*last[:3]) if library else FIXED_IDENTITY))
+        names = [p.name for p in format_patches(work, f"v{release}..HEAD", Path(tmp) / "out")]
+        (Path(tmp) / "out" / "series").write_text("".join(f"{n}\n" for n in names), encoding="utf-8")
+        outdir.mkdir(parents=True, exist_ok=True)  # written only now: a failure leaves OUTDIR as it was
+        for old in list(outdir.glob("*.patch")) + [outdir / "series"] if force else []:
+            old.unlink(missing_ok=True)
+        for name in names + ["series"]:
+            shutil.copyfile(Path(tmp) / "out" / name, outdir / name)
+    log(f"exported {len(names)} patches to {outdir}: {len(library)} library patches with the {len(in_library)} "
+        f"files their Test Plans name, then {len(names) - len(library)} commits of the other tests and benchmarks\n"
+        f"  on a PyTorch v{release} checkout:  git am --keep-non-patch {outdir}/*.patch")
+    return names

@@ -1,9 +1,5 @@
-"""Commit messages for the commits that `torch-patch export` adds on top of the library series.
-
-A file of this repo's ``test/`` or ``benchmarks/`` goes into the library commit whose Test Plan
-names it first; these two commits carry the rest, if any. ``{test_plan}`` is replaced by one
-command per added file (generated, so it is always current).
-"""
+"""The messages of the commits that `torch-patch export` adds on top of the library series: the tests and the
+benchmarks that no commit's Test Plan names (``{test_plan}``: a command for each such file)."""
 
 TESTS_COMMIT_MESSAGE = """\
 [pytree] Add the pytree tests that no commit's Test Plan names

@@ -1,15 +1,12 @@
-"""Fixtures for the tests of the torch-patch tool itself (not sent upstream).
+"""Fixtures of the torch-patch tool's tests (not sent upstream).
 
-* ``template``: a stand-in "installed torch" (a site-packages-like dir) holding only what the
-  tool needs: torch/__init__.py, torch/version.py, the wheel's dist-info (METADATA, RECORD) and
-  the stock versions of the files touched by the test series and by the real series.  Copying
-  the whole 750 MB package per test would be far too slow; it is built once per session from
-  the torch installed in this venv (stock copies, verified against RECORD, even if that torch
-  is patched).  Tests that need a whole importable torch (pip uninstall, the documented
-  benchmark commands) use ``tp_helpers.stock_torch_farm``, a symlink copy of it.
-* ``test_series``: a tiny series made by real git commits in a dev tree created by
-  ``torch_patch.dev_create`` from the template and exported by ``torch_patch.dev_export``, so
-  these tests do not depend on the content of the real series.
+* ``template``: a stand-in installed torch (a site-packages-like directory) with only what the tool reads:
+  torch/__init__.py, torch/version.py and the stock versions of the files the test series and the real
+  series touch, taken from this venv's torch (even if it is patched). Copying the whole 750 MB package per
+  test would be far too slow; ``test_real_series.py`` patches a whole, importable torch.
+* ``test_series``: a tiny series of two real commits, made in a dev tree of the template by
+  ``torch_patch.dev_create`` and exported by ``torch_patch.dev_export``, so that these tests do not depend
+  on the content of the real series.
 """
 
 from __future__ import annotations
@@ -19,23 +16,22 @@ from pathlib import Path
 
 import pytest
 
-from tp_helpers import NEW_FILE, TEST_FILES, BASE_FILES, git, real_series_files, core, torch_patch  # noqa: F401
+from tp_helpers import NEW_FILE, REAL_SERIES, RUNNING, TEST_FILES, git
+
+import torch_patch
+from torch_patch import core
 
 
 @pytest.fixture(scope="session")
 def template(tmp_path_factory) -> Path:
-    src = core.resolve_target(core.installed_torch_root(), require_venv=False)
-    record = core.load_record(src.root)
     root = tmp_path_factory.mktemp("template") / "site-packages"
-    di = core.find_dist_info(src.root)
-    (root / di.name).mkdir(parents=True)
-    for name in ("METADATA", "RECORD"):
-        shutil.copyfile(di / name, root / di.name / name)
-    rels = list(dict.fromkeys(BASE_FILES + TEST_FILES + real_series_files()))
-    for rel, stock in core.stock_files(src, rels, record).items():
-        if stock is not None:
+    stock = {rel: (RUNNING.root / rel).read_bytes() for rel in ("torch/__init__.py", "torch/version.py")}
+    stock.update(core.stock_versions(RUNNING, REAL_SERIES))  # the real series touches the test series' files too
+    assert all(stock[rel] for rel in TEST_FILES)
+    for rel, data in stock.items():
+        if data is not None:
             (root / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(stock, root / rel)
+            (root / rel).write_bytes(data)
     return root
 
 
@@ -54,7 +50,7 @@ def empty_series(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def dev_tree(tmp_path_factory, template, empty_series) -> Path:
-    """A dev tree with two commits on top of v<this torch's release> (the test series)."""
+    """A dev tree of the template with two commits on top of v<release>: the test series."""
     dev = tmp_path_factory.mktemp("dev") / "tree"
     torch_patch.dev_create(dev, source=template, series_dir=empty_series, log=lambda s: None)
     _edit(dev / TEST_FILES[0], "\nimport ", "\n# torch-patch test: first patch\nimport ")
@@ -70,16 +66,15 @@ def dev_tree(tmp_path_factory, template, empty_series) -> Path:
 @pytest.fixture(scope="session")
 def test_series(tmp_path_factory, dev_tree) -> Path:
     out = tmp_path_factory.mktemp("series")
-    names = torch_patch.dev_export(dev_tree, patches_dir=out, log=lambda s: None)
-    assert len(names) == 2
+    assert len(torch_patch.dev_export(dev_tree, patches_dir=out, log=lambda s: None)) == 2
     return out
 
 
 @pytest.fixture(scope="session")
 def first_patch_only(tmp_path_factory, test_series) -> Path:
-    """A different series: only the first patch of the test series."""
+    """Another series: the first patch of the test series alone."""
     out = tmp_path_factory.mktemp("series1")
-    name = (test_series / "series").read_text().splitlines()[0]
+    name = (test_series / "series").read_text().split()[0]
     shutil.copyfile(test_series / name, out / name)
     (out / "series").write_text(name + "\n")
     return out
