@@ -295,7 +295,7 @@ def measure(items: list, args: Any, module: str, child: dict, gated: Callable) -
 def header(title: str, args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
     """Print the title, and versions, machine, load and mode as ``- key: value``."""
     timed = f"time: {args.rounds} rounds"
-    modes = [args.quick and "quick", args.time and timed, args.count and "callgrind"]
+    modes = [args.quick and "quick", args.time and timed, args.count and "instructions"]
     info = {
         "torch": f"{torch.__version__} ({os.path.dirname(torch.__file__)})",
         "python": platform.python_version(),
@@ -304,7 +304,7 @@ def header(title: str, args: argparse.Namespace, **extra: Any) -> dict[str, Any]
         "mode": ", ".join(m for m in modes if m),
         **extra,
     }
-    print(f"# {title}\n")
+    print(f"**{title}**\n")
     for k, v in info.items():
         print(f"- {k}: {v}", flush=True)
     return info
@@ -330,8 +330,7 @@ def make_rows(keys: Iterable, per_round: dict, ir: dict, gated: Callable) -> lis
     return rows
 
 
-def _cell(row: dict[str, Any] | None) -> str:
-    """patched/stock: "time / instructions"."""
+def _cell(row: dict[str, Any] | None) -> str:  # patched/stock: time / instructions
     ratios = (row["time_ratio"], row["ir_ratio"]) if row else ()
     return " / ".join("–" if x is None else f"{x:.2f}" for x in ratios)
 
@@ -358,8 +357,7 @@ def report(info: dict, rows: list, args: Any, notes: list, ms: list) -> int:
         cells = [_cell(by_op.get(o)) for o in ops]
         us = " / ".join(_us(by_op[ops[0]]["seconds"].get(i)) for i in impls)
         print(f"| {case} | {' | '.join(cells)} | {us} |")
-    for note in notes:
-        print(f"- {note}")
+    print("".join(f"\n- {note}" for note in notes))
     if args.compare:
         Compare(ms).print()
     if args.json:
@@ -397,10 +395,13 @@ def parser(doc: str, rounds: int) -> argparse.ArgumentParser:
         epilog="Instructions are counted if valgrind is installed. collect_callgrind "
         "runs `python` from PATH: the script puts its interpreter's bin/ first there.",
     )
-    p.add_argument("--only", choices=("time", "instructions"), help="one of the two")
-    p.add_argument("--quick", action="store_true", help="a quarter of the rounds")
-    p.add_argument("--rounds", type=int, default=rounds, help=f"default {rounds}")
-    p.add_argument("--check", type=float, help="exit 1 if a gated ratio exceeds it")
+    p.add_argument("--only", choices=("time", "instructions"), help="skip the other")
+    p.add_argument(
+        "--quick", action="store_true", help="1/4 of the rounds, 0.3 ms jobs"
+    )
+    p.add_argument("--rounds", type=int, default=rounds, help=f"(default {rounds})")
+    gate = "exit 1 if a gated patched/stock ratio (instructions, else time) > RATIO"
+    p.add_argument("--check", metavar="RATIO", type=float, help=gate)
     p.add_argument("--compare", action="store_true", help="print Compare tables too")
     p.add_argument("--json", metavar="FILE", help="write every number to FILE")
     return p
@@ -471,7 +472,7 @@ def compile_time(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = parser(__doc__.split("\n\n")[0], rounds=30)
+    p = parser(__doc__, rounds=30)
     stock = "the stock _pytree.py: `torch-patch stock-file torch/utils/_pytree.py`"
     p.add_argument("--baseline", metavar="FILE", help=stock)
     p.add_argument("--cases", metavar="REGEX", help="only the trees matching REGEX")
