@@ -72,7 +72,7 @@ def callgrind_child(baseline: str, calls: list[int | None]) -> Iterator:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = pb.parser(__doc__.split("\n\n")[0], rounds=60)
+    p = pb.parser(__doc__, rounds=60)
     stock = "stock _cxx_pytree.py: `torch-patch stock-file torch/utils/_cxx_pytree.py`"
     p.add_argument("--baseline", metavar="FILE", required=True, help=stock)
     args = pb.parse(p, argv)

@@ -488,8 +488,8 @@ def main(argv: list[str] | None = None) -> int:
         args,
         baseline=args.baseline,
         baseline_sha256=_sha256(args.baseline),
-        patched_source_identical_to_baseline=same,
         patched_has_register_pytree_family=HAS_FAMILY,
+        patched_source_identical_to_baseline=same,
     )
     names = [c for c in CASES if re.search(args.cases or "", c)]
     members, notes = members_of({c: CASES[c] for c in names}, make_impls(args.baseline))
