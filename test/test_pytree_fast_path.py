@@ -1,18 +1,16 @@
 # Owner(s): ["module: pytree"]
 
-"""Tests for the eager fast paths of ``torch.utils._pytree``.
+"""Tests for the fast ``tree_flatten``, ``tree_leaves`` and ``TreeSpec.unflatten``.
 
-``tree_flatten``, ``tree_leaves`` and ``tree_is_leaf`` without ``is_leaf``
-resolve each class through a per-class cache and handle exact lists, tuples
-and dicts inline; Dynamo traces reference implementations instead. These
-tests pin down that both give what the registry says, at all times.
+They handle children that are leaves, lists, tuples and dicts inline and build
+each TreeSpec with its counts known. These tests compare them with the
+definition: a straightforward recursion over ``SUPPORTED_NODES`` and
+``TreeSpec(type, context, children)``.
 """
 
 import collections
 import dataclasses
-import gc
 import warnings
-import weakref
 from collections import defaultdict, deque, namedtuple, OrderedDict
 from typing import Any
 
@@ -43,6 +41,10 @@ def _trees() -> dict[str, Any]:
         "empty_list": [],
         "empty_dict": {},
         "list": [x, 1, "s", None],
+        "list_of_one_class": [x] * 7,
+        "list_of_lists": [[x], [x], [x], [x], [x], [x]],
+        "list_of_namedtuples": [Point(1, 2)] * 6,
+        "list_of_structseqs": [torch.return_types.max((x, x))] * 6,
         "tuple": (x, (x, ()), [x]),
         "dict": {"b": x, "a": [x, {"c": (x,)}]},
         "namedtuple": Point(x, Point(1, [2])),
@@ -52,6 +54,16 @@ def _trees() -> dict[str, Any]:
         "structseq": torch.return_types.max((x, x)),
         "deep": [[[[[x]]]]],
     }
+
+
+def _reference_flatten(tree: Any, leaves: list[Any]) -> py_pytree.TreeSpec:
+    node_type = py_pytree._get_node_type(tree)
+    if node_type not in py_pytree.SUPPORTED_NODES:
+        leaves.append(tree)
+        return py_pytree.treespec_leaf()
+    children, context = py_pytree.SUPPORTED_NODES[node_type].flatten_fn(tree)
+    specs = [_reference_flatten(child, leaves) for child in children]
+    return py_pytree.TreeSpec(node_type, context, specs)
 
 
 def _spec_fields(spec: py_pytree.TreeSpec) -> Any:
@@ -70,31 +82,20 @@ class TestPytreeFastPath(TestCase):
     @parametrize("name", list(_trees()))
     def test_same_as_reference(self, name: str) -> None:
         tree = _trees()[name]
-        fast_leaves: list[Any] = []
-        reference_leaves: list[Any] = []
-        fast = py_pytree._tree_flatten_fast(tree, fast_leaves)
-        reference = py_pytree._tree_flatten_reference(tree, reference_leaves)
-        self.assertEqual(_spec_fields(fast), _spec_fields(reference))
-        self.assertEqual(fast, reference)
-        self.assertEqual(fast_leaves, reference_leaves)
-        self.assertTrue(all(a is b for a, b in zip(fast_leaves, reference_leaves)))
-        self.assertEqual(py_pytree.tree_leaves(tree), reference_leaves)
-        # And the public functions agree with the is_leaf path (which does not
-        # use the fast path).
-        leaves, spec = py_pytree.tree_flatten(tree)
-        slow_leaves, slow_spec = py_pytree.tree_flatten(tree, is_leaf=lambda _: False)
-        self.assertEqual(_spec_fields(spec), _spec_fields(slow_spec))
-        self.assertEqual(leaves, slow_leaves)
-        self.assertEqual(py_pytree.tree_unflatten(leaves, spec), tree)
-        self.assertEqual(
-            py_pytree.tree_is_leaf(tree),
-            py_pytree.tree_is_leaf(tree, is_leaf=lambda _: False),
-        )
+        expected_leaves: list[Any] = []
+        expected = _spec_fields(_reference_flatten(tree, expected_leaves))
+        for is_leaf in (None, lambda _: False):
+            leaves, spec = py_pytree.tree_flatten(tree, is_leaf=is_leaf)
+            self.assertEqual(_spec_fields(spec), expected)
+            self.assertEqual(len(leaves), len(expected_leaves))
+            self.assertTrue(all(a is b for a, b in zip(leaves, expected_leaves)))
+            leaves = py_pytree.tree_leaves(tree, is_leaf=is_leaf)
+            self.assertTrue(all(a is b for a, b in zip(leaves, expected_leaves)))
+        rebuilt = py_pytree.tree_unflatten(leaves, spec)
+        self.assertEqual(rebuilt, tree)
+        self.assertEqual(py_pytree.tree_structure(rebuilt), spec)
 
     def test_unflatten_builds_new_containers(self) -> None:
-        # Lists and tuples of leaves are built inline from the leaves; every
-        # container is new and of the exact type, whatever sequence of leaves
-        # is given.
         tree = {"a": [1, 2], "b": (3, [4, ()]), "c": [], "d": Point(5, 6), "e": [[7]]}
         leaves, spec = py_pytree.tree_flatten(tree)
         for given in (leaves, tuple(leaves), iter(leaves)):
@@ -111,6 +112,8 @@ class TestPytreeFastPath(TestCase):
         self.assertEqual(py_pytree.tree_unflatten(leaves, spec), tree)
         flat, flat_spec = py_pytree.tree_flatten([1, 2])
         self.assertIsNot(py_pytree.tree_unflatten(flat, flat_spec), flat)
+        with self.assertRaisesRegex(ValueError, "`leaves` has length 6"):
+            py_pytree.tree_unflatten(leaves[:-1], spec)
 
     def test_spec_repr(self) -> None:
         _, spec = py_pytree.tree_flatten({"a": [1, (2,)], "b": None})
@@ -124,24 +127,21 @@ TreeSpec(dict, ['a', 'b'], [TreeSpec(list, None, [*,
 
     def test_registration_and_deregistration_take_effect(self) -> None:
         obj = Box(torch.ones(1))
-        tree = [obj, 1]
-        self.assertEqual(py_pytree.tree_leaves(tree), [obj, 1])  # cached as a leaf
-        self.assertTrue(py_pytree.tree_is_leaf(obj))
+        trees = ([obj, 1], [obj] * 6)
+        self.assertEqual(py_pytree.tree_leaves(trees), [obj, 1] + [obj] * 6)
         py_pytree.register_pytree_node(
             Box, lambda b: ([b.value], None), lambda v, _: Box(next(iter(v)))
         )
         try:
             self.assertFalse(py_pytree.tree_is_leaf(obj))
-            leaves, spec = py_pytree.tree_flatten(tree)
-            self.assertEqual(leaves, [obj.value, 1])
-            self.assertIs(spec.child(0).type, Box)
-            self.assertEqual(py_pytree.tree_leaves(tree), [obj.value, 1])
-            self.assertEqual(py_pytree.tree_map(lambda v: v, tree)[0], obj)
+            leaves, spec = py_pytree.tree_flatten(trees)
+            self.assertEqual(leaves, [obj.value, 1] + [obj.value] * 6)
+            self.assertIs(spec.child(0).child(0).type, Box)
+            self.assertEqual(py_pytree.tree_leaves(trees), leaves)
+            self.assertEqual(py_pytree.tree_map(lambda v: v, trees), trees)
         finally:
             py_pytree._deregister_pytree_node(Box)
-        self.assertTrue(py_pytree.tree_is_leaf(obj))
-        self.assertEqual(py_pytree.tree_leaves(tree), [obj, 1])
-        self.assertEqual(py_pytree.tree_flatten(tree)[1].num_leaves, 2)
+        self.assertEqual(py_pytree.tree_leaves(trees), [obj, 1] + [obj] * 6)
 
     @parametrize("builtin", [list, tuple, dict])
     def test_replaced_builtin_registration_is_used(self, builtin: type) -> None:
@@ -149,7 +149,7 @@ TreeSpec(dict, ['a', 'b'], [TreeSpec(list, None, [*,
         # theirs, in every entry point, and the stock one back afterwards.
         original = py_pytree.SUPPORTED_NODES[builtin]
         serialized = py_pytree.SUPPORTED_SERIALIZED_TYPES[builtin]
-        calls = collections.Counter()
+        calls: collections.Counter[str] = collections.Counter()
 
         def flatten(node: Any) -> tuple[list[Any], Any]:
             calls["flatten"] += 1
@@ -160,39 +160,32 @@ TreeSpec(dict, ['a', 'b'], [TreeSpec(list, None, [*,
             calls["unflatten"] += 1
             return original.unflatten_fn(list(reversed(list(values))), context)
 
-        tree = builtin([1, 2, 3]) if builtin is not dict else {"a": 1, "b": 2, "c": 3}
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "Overwriting the previous registration"
-            py_pytree._private_register_pytree_node(
-                builtin,
-                flatten,
-                unflatten,
-                serialized_type_name=serialized.serialized_type_name,
-                flatten_with_keys_fn=original.flatten_with_keys_fn,
-            )
-        try:
-            leaves, spec = py_pytree.tree_flatten([tree])
-            self.assertEqual(leaves, [3, 2, 1])
-            self.assertEqual(py_pytree.tree_leaves([tree]), [3, 2, 1])
-            self.assertEqual(py_pytree.tree_unflatten(leaves, spec), [tree])
-            self.assertGreaterEqual(calls["flatten"], 2)
-            self.assertGreaterEqual(calls["unflatten"], 1)
-        finally:
+        def register(flatten: Any, unflatten: Any) -> None:
             with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
+                warnings.simplefilter("ignore")  # "Overwriting the previous registration"
                 py_pytree._private_register_pytree_node(
                     builtin,
-                    original.flatten_fn,
-                    original.unflatten_fn,
+                    flatten,
+                    unflatten,
                     serialized_type_name=serialized.serialized_type_name,
                     flatten_with_keys_fn=original.flatten_with_keys_fn,
                 )
+
+        tree = builtin([1, 2, 3]) if builtin is not dict else {"a": 1, "b": 2, "c": 3}
+        register(flatten, unflatten)
+        try:
+            leaves, spec = py_pytree.tree_flatten(Point(tree, 0))
+            self.assertEqual(leaves, [3, 2, 1, 0])
+            self.assertEqual(py_pytree.tree_leaves(Point(tree, 0)), [3, 2, 1, 0])
+            self.assertEqual(py_pytree.tree_unflatten(leaves, spec), Point(tree, 0))
+            self.assertEqual(calls, {"flatten": 2, "unflatten": 1})
+        finally:
+            register(original.flatten_fn, original.unflatten_fn)
             py_pytree.SUPPORTED_NODES[builtin] = original
-            py_pytree._clear_flatten_cache()
-        self.assertEqual(py_pytree.tree_leaves([tree]), [1, 2, 3])
+        self.assertEqual(py_pytree.tree_leaves(Point(tree, 0)), [1, 2, 3, 0])
 
     def test_is_leaf_called_once_per_node(self) -> None:
-        tree = {"a": [1, (2, 3)], "b": Point(4, [5])}
+        tree = {"a": [1, (2, 3)], "b": Point(4, [5]), "c": [6] * 5}
         seen: list[Any] = []
 
         def is_leaf(node: Any) -> bool:
@@ -200,79 +193,17 @@ TreeSpec(dict, ['a', 'b'], [TreeSpec(list, None, [*,
             return False
 
         leaves, _ = py_pytree.tree_flatten(tree, is_leaf=is_leaf)
-        self.assertEqual(leaves, [1, 2, 3, 4, 5])
-        # dict, list, tuple, namedtuple, list and 5 leaves, each once (as stock).
-        self.assertEqual(len(seen), 10)
+        self.assertEqual(leaves, [1, 2, 3, 4, 5, 6, 6, 6, 6, 6])
+        # Each node (6) and leaf (10) once, in order, as stock.
+        expected = [tree, tree["a"], 1, (2, 3), 2, 3, tree["b"], 4, [5], 5, tree["c"]]
+        self.assertEqual(seen, expected + [6] * 5)
         seen.clear()
         self.assertEqual(py_pytree.tree_leaves(tree, is_leaf=is_leaf), leaves)
-        self.assertEqual(len(seen), 10)
+        self.assertEqual(seen, expected + [6] * 5)
 
-    def test_classes_are_not_kept_alive(self) -> None:
-        refs = []
-        for i in range(50):
-            cls = type(f"Temp{i}", (), {})
-            py_pytree.tree_flatten([cls(), {"k": cls()}])
-            py_pytree.tree_leaves((cls(),))
-            py_pytree.tree_is_leaf(cls())
-            refs.append(weakref.ref(cls))
-            del cls
-        gc.collect()
-        self.assertEqual([r for r in refs if r() is not None], [])
-
-    def test_class_seen_once_then_covered(self) -> None:
-        # A plain leaf class is not cached at its first sighting; a family or
-        # an exact registration made after it takes effect at the next one.
-        @dataclasses.dataclass
-        class Base:
-            value: Any
-
-        class Member(Base):
-            pass
-
-        class Exact:
-            pass
-
-        member, exact = Member(1), Exact()
-        self.assertEqual(py_pytree.tree_leaves([member, exact]), [member, exact])
-        py_pytree.register_pytree_family(Base)
-        py_pytree.register_pytree_node(
-            Exact, lambda e: ([2], None), lambda v, _: Exact()
-        )
-        try:
-            self.assertEqual(py_pytree.tree_leaves([member, exact]), [1, 2])
-            self.assertFalse(py_pytree.tree_is_leaf(member))
-            self.assertIs(py_pytree.tree_structure(exact).type, Exact)
-        finally:
-            py_pytree._deregister_pytree_family(Base)
-            py_pytree._deregister_pytree_node(Exact)
-        self.assertEqual(py_pytree.tree_leaves([member, exact]), [member, exact])
-
-    def test_caching_that_races_a_registration_is_taken_back(self) -> None:
-        # A class seen for the second time is cached without the registry
-        # lock. If a family that covers it is registered between the check
-        # and the caching, the entry must not survive.
-        @dataclasses.dataclass
-        class Base:
-            value: Any
-
-        class Member(Base):
-            pass
-
-        generation = py_pytree._NODE_TYPE_CACHE_GENERATION
-        self.assertEqual(py_pytree._plain_leaf_sighting(Member), 1)
-        self.assertEqual(py_pytree._plain_leaf_sighting(Member), 2)
-        py_pytree.register_pytree_family(Base)  # the racing registration
-        try:
-            self.assertTrue(py_pytree._cache_plain_leaf_class(Member, generation))
-            self.assertFalse(py_pytree.tree_is_leaf(Member(1)))
-            self.assertEqual(py_pytree.tree_leaves([Member(1)]), [1])
-        finally:
-            py_pytree._deregister_pytree_family(Base)
-        self.assertEqual(py_pytree._plain_leaf_sighting(Member), 1)
-
-    def test_compile_does_not_guard_on_the_caches(self) -> None:
-        # Dynamo traces the reference implementations: flattening other trees
-        # eagerly between calls (which fills the caches) recompiles nothing.
+    def test_compile_fullgraph(self) -> None:
+        # Dynamo traces the same functions; eager flattening in between (of
+        # classes it never saw) recompiles nothing.
         torch._dynamo.reset()
         counter = CompileCounter()
 
@@ -282,7 +213,11 @@ TreeSpec(dict, ['a', 'b'], [TreeSpec(list, None, [*,
             total = sum(py_pytree.tree_leaves(tree))
             return py_pytree.tree_unflatten([v * 2 for v in leaves], spec), total
 
-        tree = {"a": [torch.ones(2), (torch.ones(2),)], "b": Point(torch.ones(2), 1)}
+        tree = {
+            "a": [torch.ones(2), (torch.ones(2),)],
+            "b": Point(torch.ones(2), 1),
+            "c": [torch.ones(2)] * 6,
+        }
         expected = py_pytree.tree_map(lambda v: v * 2, tree)
         self.assertEqual(fn(tree)[0], expected)
         for i in range(5):

@@ -1,0 +1,335 @@
+# Owner(s): ["module: pytree"]
+
+"""Concurrency tests of pytree families: threads that flatten while families and
+exact registrations change, imports in other threads. Time-bounded and
+thread-scheduled, so they stay in this repository's suites (not sent upstream).
+"""
+
+import dataclasses
+import importlib
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+import torch.utils._pytree as py_pytree
+from torch.testing._internal.common_utils import (
+    instantiate_parametrized_tests,
+    parametrize,
+    run_tests,
+    subtest,
+)
+
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from test_pytree_family import (  # noqa: E402
+    _PYTREE_MODULES,
+    cxx_pytree,
+    FamilyTestCase,
+    skipIfNoCxxPytree,
+)
+from test_pytree_family_lazy import FamilyPackageTestCase  # noqa: E402
+
+
+class TestPytreeFamilyThreads(FamilyTestCase):
+    def test_thread_safety(self) -> None:
+        @dataclasses.dataclass
+        class Base:
+            x: Any
+            y: Any = None
+
+        classes = [
+            dataclasses.make_dataclass(f"Sub{i}", [], bases=(Base,)) for i in range(50)
+        ]
+        trees = [[cls(i, (i, i)), {"k": cls(i)}] for i, cls in enumerate(classes)]
+        start = threading.Barrier(9)
+        errors: list[str] = []
+
+        def flatten_all() -> None:
+            start.wait()
+            for _ in range(20):
+                for tree in trees:
+                    leaves, spec = py_pytree.tree_flatten(tree)
+                    # Before the registration the instances are leaves, after it
+                    # they are nodes; never anything else.
+                    if len(leaves) not in (2, 4):
+                        errors.append(f"{len(leaves)} leaves for {tree}")
+                    if py_pytree.tree_unflatten(leaves, spec) != tree:
+                        errors.append(f"round trip failed for {tree}")
+
+        threads = [threading.Thread(target=flatten_all) for _ in range(8)]
+        for t in threads:
+            t.start()
+        start.wait()
+        self.register_family(Base)
+        for t in threads:
+            t.join()
+        self.assertEqual(errors, [])
+        for tree in trees:
+            self.assertEqual(len(py_pytree.tree_leaves(tree)), 4)
+
+    @skipIfNoCxxPytree
+    @parametrize(
+        "pair",
+        [
+            subtest((py_pytree, cxx_pytree), name="py_cxx"),
+            subtest((cxx_pytree, cxx_pytree), name="cxx_cxx"),
+        ],
+    )
+    def test_threads_meet_a_new_member_at_once(self, pair: Any) -> None:
+        # Two threads flatten the same never-seen family member at the same
+        # time: both must see a node, in every round.
+        @dataclasses.dataclass
+        class Base:
+            x: Any
+            y: Any = None
+
+        self.register_family(Base)
+        rounds = 300
+        barrier = threading.Barrier(2)
+        classes: list[Any] = [None]
+        results: list[list[Any]] = [[], []]
+
+        def run(i: int) -> None:
+            for r in range(rounds):
+                if i == 0:
+                    classes[0] = dataclasses.make_dataclass(f"M{r}", [], bases=(Base,))
+                barrier.wait()
+                results[i].append(pair[i].tree_leaves([classes[0](r, (r,))]))
+                barrier.wait()
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        for i in range(2):
+            wrong = [r for r, leaves in enumerate(results[i]) if leaves != [r, r]]
+            self.assertEqual(wrong, [], f"thread {i} got leaves instead of nodes")
+            self.assertEqual(len(results[i]), rounds)
+
+    def test_stress_registration_while_flattening(self) -> None:
+        # 8 threads for a bounded time: two (de)register a family and an exact
+        # node, six flatten, unflatten and map with both pytrees, on members of
+        # a family that stays registered (some of them created on the way, so
+        # never seen before), of the toggled family and plain containers.
+        @dataclasses.dataclass
+        class StableBase:
+            x: Any
+            y: Any = None
+
+        @dataclasses.dataclass
+        class ToggledBase:
+            x: Any
+
+        class Exact:
+            def __init__(self, v: Any) -> None:
+                self.v = v
+
+            def __eq__(self, other: object) -> bool:
+                return type(other) is Exact and other.v == self.v
+
+        self.register_family(StableBase)
+        self.addCleanup(
+            lambda: ToggledBase in py_pytree._PYTREE_FAMILIES
+            and py_pytree._deregister_pytree_family(ToggledBase)
+        )
+
+        def deregister_exact() -> None:
+            if Exact in py_pytree.SUPPORTED_NODES:
+                py_pytree._deregister_pytree_node(Exact)
+                if cxx_pytree is not None:
+                    try:
+                        cxx_pytree.optree.unregister_pytree_node(Exact, namespace="torch")
+                    except ValueError:
+                        # Since torch 2.15, _deregister_pytree_node unregisters
+                        # the class from optree too.
+                        pass
+
+        self.addCleanup(deregister_exact)
+        deadline = time.monotonic() + 3.0
+        errors: list[str] = []
+        counts: list[int] = []
+        lock = threading.Lock()
+
+        def toggle_family() -> None:
+            try:
+                while time.monotonic() < deadline:
+                    py_pytree.register_pytree_family(ToggledBase)
+                    py_pytree._deregister_pytree_family(ToggledBase)
+            except Exception as e:
+                errors.append(f"toggle_family: {type(e).__name__}: {e}")
+
+        def toggle_exact() -> None:
+            try:
+                while time.monotonic() < deadline:
+                    py_pytree.register_pytree_node(
+                        Exact,
+                        lambda e: ([e.v], None),
+                        lambda v, _: Exact(next(iter(v))),
+                    )
+                    deregister_exact()
+            except Exception as e:
+                errors.append(f"toggle_exact: {type(e).__name__}: {e}")
+
+        def work(seed: int) -> None:
+            n = 0
+            try:
+                while time.monotonic() < deadline:
+                    pytree = _PYTREE_MODULES[(seed + n) % len(_PYTREE_MODULES)]
+                    member_cls = (
+                        dataclasses.make_dataclass(
+                            f"New{seed}_{n}", [], bases=(StableBase,)
+                        )
+                        if n % 5 == 0
+                        else StableBase
+                    )
+                    tree = {
+                        "stable": [member_cls(n, (n, 1))],
+                        "plain": [(n,), {"a": n}],
+                    }
+                    leaves, spec = pytree.tree_flatten(tree)
+                    if leaves != [n, n, 1, n, n]:
+                        errors.append(f"{pytree.__name__}: leaves {leaves}")
+                    if pytree.tree_unflatten(leaves, spec) != tree:
+                        errors.append(f"{pytree.__name__}: round trip of {tree}")
+                    mapped = pytree.tree_map(lambda v: v, tree)
+                    if mapped != tree:
+                        errors.append(f"{pytree.__name__}: tree_map gave {mapped}")
+                    # A registration that changes under us: a node or a leaf,
+                    # nothing else (unflattening a spec whose type was just
+                    # deregistered fails, as it always did).
+                    for obj in (ToggledBase(n), Exact(n)):
+                        leaves = pytree.tree_leaves([obj, n])
+                        if leaves not in ([obj, n], [n, n]):
+                            errors.append(f"{pytree.__name__}: {obj} gave {leaves}")
+                    n += 1
+            except Exception as e:
+                errors.append(f"{type(e).__name__}: {e}")
+            with lock:
+                counts.append(n)
+
+        threads = [
+            threading.Thread(target=toggle_family),
+            threading.Thread(target=toggle_exact),
+        ] + [threading.Thread(target=work, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        self.assertFalse(any(t.is_alive() for t in threads), "a thread hangs")
+        if errors:
+            self.fail(
+                f"{len(errors)} errors, the first ones:\n" + "\n".join(errors[:5])
+            )
+        self.assertEqual(len(counts), 6)
+        self.assertGreater(min(counts), 10)
+
+
+class TestPytreeFamilyLazyThreads(FamilyPackageTestCase):
+    FILES = {
+        **FamilyPackageTestCase.FILES,
+        # Takes its time to import and registers a pytree node meanwhile.
+        "slow.py": """
+            import dataclasses
+            import time
+            import torch.utils._pytree as pt
+            from familypkg.base import Base
+
+            time.sleep(0.5)
+
+            @dataclasses.dataclass
+            class Exact:
+                a: object
+
+            pt.register_dataclass(Exact)
+
+            @dataclasses.dataclass
+            class Slow(Base):
+                pass
+            """,
+    }
+
+    def test_import_in_another_thread_does_not_deadlock(self) -> None:
+        # One thread imports a module that registers a pytree node while it is
+        # imported; others load a spec that needs that module and register a
+        # lazy family meanwhile. The registry lock is never held across an
+        # import, so all of them finish.
+        self.register_family("familypkg.base:Base")
+        errors: list[str] = []
+
+        def run(fn: Any) -> None:
+            try:
+                fn()
+            except Exception as e:
+                errors.append(f"{type(e).__name__}: {e}")
+
+        threads = [
+            threading.Thread(
+                target=run, args=(lambda: importlib.import_module("familypkg.slow"),)
+            ),
+            threading.Thread(
+                target=run,
+                args=(
+                    lambda: py_pytree.treespec_loads(
+                        self.spec_json("familypkg.slow.Slow")
+                    ),
+                ),
+            ),
+            threading.Thread(
+                target=run,
+                args=(lambda: self.register_family("familypkg.lazy2:Thing"),),
+            ),
+        ]
+        for t in threads:
+            t.start()
+            time.sleep(0.05)
+        for t in threads:
+            t.join(timeout=30)
+        self.assertFalse(any(t.is_alive() for t in threads), "deadlock")
+        self.assertEqual(errors, [], "\n".join(errors))
+        self.assertIs(
+            py_pytree.treespec_loads(self.spec_json("familypkg.slow.Slow")).type,
+            sys.modules["familypkg.slow"].Slow,
+        )
+
+    def test_loads_while_lazy_families_change(self) -> None:
+        self.register_family("familypkg.base:Base")
+        importlib.import_module("familypkg.outputs")
+        deadline = time.monotonic() + 2.0
+        errors: list[str] = []
+        loads = [0]
+
+        def toggle() -> None:
+            while time.monotonic() < deadline:
+                py_pytree.register_pytree_family("familypkg.other:Thing")
+                py_pytree._deregister_pytree_family("familypkg.other:Thing")
+
+        def load() -> None:
+            spec_json = self.spec_json("familypkg.outputs.Out")
+            while time.monotonic() < deadline:
+                try:
+                    spec = py_pytree.treespec_loads(spec_json)
+                    if spec.type is not sys.modules["familypkg.outputs"].Out:
+                        errors.append(f"loaded {spec.type}")
+                except Exception as e:
+                    errors.append(f"{type(e).__name__}: {e}")
+                loads[0] += 1
+
+        threads = [threading.Thread(target=toggle)] + [
+            threading.Thread(target=load) for _ in range(3)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        self.assertEqual(errors[:3], [], "\n".join(errors[:3]))
+        self.assertGreater(loads[0], 100)
+
+
+instantiate_parametrized_tests(TestPytreeFamilyThreads)
+
+
+if __name__ == "__main__":
+    run_tests()

@@ -1,0 +1,108 @@
+# Owner(s): ["module: pytree"]
+
+"""The output classes of HuggingFace transformers and diffusers are lazy pytree
+families: importing torch imports neither library, and their classes (and users'
+subclasses of them) are pytree nodes once the library is imported."""
+
+import dataclasses
+import importlib.util
+import json
+import subprocess
+import sys
+import textwrap
+import unittest
+from typing import Any
+
+import torch
+import torch.utils._pytree as py_pytree
+from torch.testing._internal.common_utils import (
+    instantiate_parametrized_tests,
+    parametrize,
+    run_tests,
+    subtest,
+    TestCase,
+)
+
+
+HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+pytree_modules = [subtest(py_pytree, name="py")]
+if py_pytree._cxx_pytree_dynamo_traceable:
+    import torch.utils._cxx_pytree as cxx_pytree
+
+    pytree_modules.append(subtest(cxx_pytree, name="cxx"))
+
+
+def run_python(script: str) -> Any:
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if result.returncode != 0:
+        raise AssertionError(result.stderr[-3000:])
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+class TestPytreeHF(TestCase):
+    def test_import_torch_imports_neither_library(self) -> None:
+        result = run_python(
+            """
+            import json, sys
+            import torch.utils._pytree as pytree
+            names = ("transformers.utils.generic:ModelOutput", "diffusers.utils.outputs:BaseOutput")
+            registered = []
+            for name in names:
+                try:
+                    pytree.register_pytree_family(name)
+                except ValueError as e:
+                    registered.append("already registered" in str(e))
+            leaked = [m for m in sys.modules if m.split(".")[0] in ("transformers", "diffusers")]
+            print(json.dumps({"registered": registered, "leaked": leaked}))
+            """
+        )
+        self.assertEqual(result, {"registered": [True, True], "leaked": []})
+
+    @unittest.skipIf(not HAS_TRANSFORMERS, "transformers is not installed")
+    @parametrize("pytree", pytree_modules)
+    def test_model_output_subclass(self, pytree: Any) -> None:
+        from transformers.utils import ModelOutput
+
+        @dataclasses.dataclass
+        class MyOutput(ModelOutput):
+            logits: torch.Tensor | None = None
+            hidden: tuple[torch.Tensor, ...] | None = None
+
+        out = MyOutput(logits=torch.ones(2), hidden=(torch.zeros(1),))
+        leaves, spec = pytree.tree_flatten(out)
+        self.assertEqual(len(leaves), 2)
+        rebuilt = pytree.tree_unflatten([leaf + 1 for leaf in leaves], spec)
+        self.assertIs(type(rebuilt), MyOutput)
+        self.assertEqual(list(rebuilt.keys()), ["logits", "hidden"])
+        self.assertEqual(rebuilt.logits, torch.full((2,), 2.0))
+
+    @unittest.skipIf(not HAS_TRANSFORMERS, "transformers is not installed")
+    def test_spec_loads_in_a_fresh_process(self) -> None:
+        from transformers.modeling_outputs import BaseModelOutputWithPast
+
+        out = BaseModelOutputWithPast(last_hidden_state=torch.ones(1))
+        dumped = py_pytree.treespec_dumps(py_pytree.tree_structure(out))
+        result = run_python(
+            f"""
+            import json
+            import torch, transformers
+            import torch.utils._pytree as pytree
+            spec = pytree.treespec_loads({dumped!r})
+            print(json.dumps([spec.type.__module__, spec.type.__name__]))
+            """
+        )
+        self.assertEqual(
+            result, ["transformers.modeling_outputs", "BaseModelOutputWithPast"]
+        )
+
+
+instantiate_parametrized_tests(TestPytreeHF)
+
+
+if __name__ == "__main__":
+    run_tests()
