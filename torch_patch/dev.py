@@ -186,7 +186,8 @@ def export(outdir: os.PathLike, *, force: bool = False, series_dir: Optional[os.
     if not (repo / "test").is_dir():
         raise TorchPatchError(f"export takes the tests and benchmarks of a torch_patch checkout; {repo} has no test/: "
                               f"pass --repo DIR")
-    files = {"test": [f for f in repo_files(repo, "test") if not f.startswith("test/torch_patch/")],
+    local = ("test/torch_patch/", "test/extended/")  # the tool's tests, and the suites kept here
+    files = {"test": [f for f in repo_files(repo, "test") if not f.startswith(local)],
              "benchmarks": repo_files(repo, "benchmarks")}
     available, library, per_patch = files["test"] + files["benchmarks"], series.patches, []
     for patch in library:  # each library patch carries the files its Test Plan names first
