@@ -94,7 +94,7 @@ def _run_suite(
     session.run("torch-patch", "apply")
     session.run("torch-patch", "status")
     env = {
-        # test/test_pytree_hypothesis.py: see the profiles in its docstring
+        # test/extended/test_pytree_hypothesis.py: see the profiles in its docstring
         "PYTORCH_PYTREE_HYPOTHESIS_PROFILE": hypothesis_profile,
         # keep hypothesis' cache out of the work tree
         "HYPOTHESIS_STORAGE_DIRECTORY": session.create_tmp(),
@@ -127,8 +127,9 @@ def tests_hf431(session: nox.Session) -> None:
 def tests_hf446(session: nox.Session) -> None:
     """transformers 4.46.3, where Cache is a torch.nn.Module (4.36 to 4.5x).
 
-    Only the suites that cover that: DDP with a cache in the output, the family
-    and fast-path tests. The export tests are written for the current cache API.
+    Only the suites that cover that: the cache functions, DDP with a cache in the
+    output, the family and fast-path tests. The export tests are written for the
+    current cache API.
     """
     _run_suite(
         session,
@@ -137,7 +138,8 @@ def tests_hf446(session: nox.Session) -> None:
         "huggingface_hub<0.26",
         hypothesis_profile="pytree-quick",
         default_tests=(
-            "test/distributed",
+            "test/test_pytree_hf_cache.py",
+            "test/extended/test_ddp_model_output.py",
             "test/test_pytree_family.py",
             "test/test_pytree_fast_path.py",
         ),
@@ -150,7 +152,8 @@ _DYNAMO_WRAPPED_TESTS = (
     "test/test_pytree_family.py",
     "test/test_pytree_family_lazy.py",
     "test/test_pytree_fast_path.py",
-    "test/test_pytree_hypothesis.py",
+    "test/test_pytree_hf_cache.py",
+    "test/extended/test_pytree_hypothesis.py",
     "test/dynamo/test_member_descriptor.py",
 )
 
@@ -678,9 +681,11 @@ _MIDDLE_LINE_TESTS = (
     "test/test_pytree_family.py",
     "test/test_pytree_family_lazy.py",
     "test/test_pytree_fast_path.py",
+    "test/test_pytree_hf.py",
     "test/test_pytree_hf_cache.py",
     "test/dynamo",
     "test/export",
+    "test/extended/test_export_hf_kv_cache.py",
     "test/torch_patch",
 )
 

@@ -4,7 +4,7 @@
 
 They need no transformers: stand-in cache and layer classes, shaped like those
 of transformers, are registered as pytree families with these functions. The
-real caches are tested in test/export/test_export_hf_kv_cache.py.
+real caches are tested in test/extended/test_export_hf_kv_cache.py.
 """
 
 import copy

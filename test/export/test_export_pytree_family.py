@@ -3,7 +3,7 @@
 
 The families are stand-ins for HuggingFace outputs and caches (see
 ``pytree_family_stand_ins.py``), so these tests need only torch. The tests with
-the real classes are ``test_export_hf_model_output.py`` and
+the real classes are ``test/extended/test_export_hf_model_output.py`` and
 ``test_export_hf_kv_cache.py``; they skip without transformers.
 """
 
