@@ -100,7 +100,9 @@ class FamilyTestCase(TestCase):
         py_pytree.register_pytree_family(base, **kwargs)
         self.addCleanup(py_pytree._deregister_pytree_family, base)
 
-    def register_node(self, registrar: Any, cls: type, *args: Any, **kwargs: Any) -> None:
+    def register_node(
+        self, registrar: Any, cls: type, *args: Any, **kwargs: Any
+    ) -> None:
         # Either module's register_pytree_node registers with both pytrees.
         registrar.register_pytree_node(cls, *args, **kwargs)
         self.addCleanup(py_pytree._deregister_pytree_node, cls)
@@ -116,7 +118,9 @@ class TestPytreeFamilyAPI(FamilyTestCase):
         # One registry: a family registered through either module is a family of both.
         for pytree in _PYTREE_MODULES:
             self.assertIn("register_pytree_family", pytree.__all__)
-        self.assertIs(cxx_pytree.register_pytree_family, py_pytree.register_pytree_family)
+        self.assertIs(
+            cxx_pytree.register_pytree_family, py_pytree.register_pytree_family
+        )
 
     def test_rejects_builtin_and_invalid_bases(self) -> None:
         for base in (object, dict, OrderedDict, list, tuple, defaultdict):
@@ -136,7 +140,9 @@ class TestPytreeFamilyAPI(FamilyTestCase):
 
     def test_double_registration_and_unknown_deregistration(self) -> None:
         self.register_family(PointBase)
-        with self.assertRaisesRegex(ValueError, "already registered as a pytree family"):
+        with self.assertRaisesRegex(
+            ValueError, "already registered as a pytree family"
+        ):
             py_pytree.register_pytree_family(PointBase)
         with self.assertRaisesRegex(ValueError, "not registered as a pytree family"):
             py_pytree._deregister_pytree_family(Point3)
@@ -358,7 +364,9 @@ class TestPytreeFamilyResolution(FamilyTestCase):
             z: Any = None
 
         for pytree in _PYTREE_MODULES:
-            self.assertEqual(pytree.tree_leaves([Early(1, 2), Late(3, 4, 5)]), [1, 2, 3, 4, 5])
+            self.assertEqual(
+                pytree.tree_leaves([Early(1, 2), Late(3, 4, 5)]), [1, 2, 3, 4, 5]
+            )
 
     def test_spec_survives_a_nearer_family(self) -> None:
         @dataclasses.dataclass
@@ -423,7 +431,7 @@ TreeSpec(EncoderOutput, ['last_hidden_state', 'attentions'], [*,
         )
         self.assertExpectedInline(
             _normalized_dumps(spec),
-            """[1, {"type": "EncoderOutput", "context": "[\\"last_hidden_state\\", \\"attentions\\"]", "children_spec": [{"type": null, "context": null, "children_spec": []}, {"type": "builtins.tuple", "context": "null", "children_spec": [{"type": null, "context": null, "children_spec": []}, {"type": null, "context": null, "children_spec": []}]}]}]""",  # noqa: B950
+            """[1, {"type": "EncoderOutput", "context": "[\\"last_hidden_state\\", \\"attentions\\"]", "children_spec": [{"type": null, "context": null, "children_spec": []}, {"type": "builtins.tuple", "context": "null", "children_spec": [{"type": null, "context": null, "children_spec": []}, {"type": null, "context": null, "children_spec": []}]}]}]""",  # noqa: B950, RUF100
         )
         self.assertEqual(py_pytree.treespec_loads(py_pytree.treespec_dumps(spec)), spec)
         if cxx_pytree is not None:
@@ -439,7 +447,9 @@ TreeSpec(EncoderOutput, ['last_hidden_state', 'attentions'], [*,
         leaves, spec = py_pytree.tree_flatten(out)
         self.assertEqual(leaves, [1, 2])
         rebuilt = py_pytree.tree_unflatten(leaves, spec)
-        self.assertEqual(list(rebuilt.items()), [("last_hidden_state", 1), ("extra", 2)])
+        self.assertEqual(
+            list(rebuilt.items()), [("last_hidden_state", 1), ("extra", 2)]
+        )
         # A mapped value that becomes None keeps its key.
         mapped = py_pytree.tree_map(lambda v: None if v == 1 else v, out)
         self.assertEqual(sorted(mapped.keys()), ["extra", "last_hidden_state"])
@@ -483,7 +493,8 @@ TreeSpec(EncoderOutput, ['last_hidden_state', 'attentions'], [*,
             logits: Any = None
 
         with self.assertRaisesRegex(
-            TypeError, r"Cannot flatten .*Out .*: its field 'logits' is not one of its items"
+            TypeError,
+            r"Cannot flatten .*Out .*: its field 'logits' is not one of its items",
         ):
             pytree.tree_flatten(Out(logits=torch.ones(1)))
         self.assertEqual(pytree.tree_leaves(Out()), [])
@@ -500,7 +511,10 @@ TreeSpec(EncoderOutput, ['last_hidden_state', 'attentions'], [*,
         rebuilt = pytree.tree_unflatten(leaves, spec)
         self.assertEqual(dict(rebuilt.items()), {"a": 2, "b": 1})
         if pytree is py_pytree:
-            paths = [(py_pytree.keystr(p), v) for p, v in py_pytree.tree_leaves_with_path(obj)]
+            paths = [
+                (py_pytree.keystr(p), v)
+                for p, v in py_pytree.tree_leaves_with_path(obj)
+            ]
             self.assertEqual(sorted(paths), [("['a']", 2), ("['b']", 1)])
 
     def test_key_paths(self) -> None:
@@ -533,7 +547,7 @@ TreeSpec(Point3, [['x', 'z'], ['y']], [*,
             )
             self.assertExpectedInline(
                 _normalized_dumps(spec),
-                """[1, {"type": "Point3", "context": "[[\\"x\\", \\"z\\"], [\\"y\\"]]", "children_spec": [{"type": null, "context": null, "children_spec": []}, {"type": "builtins.tuple", "context": "null", "children_spec": [{"type": null, "context": null, "children_spec": []}, {"type": null, "context": null, "children_spec": []}]}]}]""",  # noqa: B950
+                """[1, {"type": "Point3", "context": "[[\\"x\\", \\"z\\"], [\\"y\\"]]", "children_spec": [{"type": null, "context": null, "children_spec": []}, {"type": "builtins.tuple", "context": "null", "children_spec": [{"type": null, "context": null, "children_spec": []}, {"type": null, "context": null, "children_spec": []}]}]}]""",  # noqa: B950, RUF100
             )
 
     @parametrize(
@@ -678,7 +692,9 @@ class TestPytreeFamilySpecs(FamilyTestCase):
             w: Any = None
 
         tree = {
-            "out": LateOutput(last_hidden_state=1, logits=[2, LatePoint(3, None, 4, 5)]),
+            "out": LateOutput(
+                last_hidden_state=1, logits=[2, LatePoint(3, None, 4, 5)]
+            ),
             "p": (LatePoint(6), None),
         }
         leaves, spec = pytree.tree_flatten(tree)
@@ -737,7 +753,10 @@ class TestPytreeFamilySerialization(FamilyTestCase):
         self.addCleanup(sys.modules.pop, module.__name__, None)
         sys.modules[module.__name__] = module
         code = "@dataclasses.dataclass\nclass Out(Base):\n    pass\n"
-        exec("import dataclasses\n@dataclasses.dataclass\nclass Base:\n    x: object\n", module.__dict__)
+        exec(
+            "import dataclasses\n@dataclasses.dataclass\nclass Base:\n    x: object\n",
+            module.__dict__,
+        )
         self.register_family(module.Base)
         exec(code, module.__dict__)
         old = module.Out
@@ -746,7 +765,9 @@ class TestPytreeFamilySerialization(FamilyTestCase):
         exec(code, module.__dict__)
         new = module.Out
         _, new_spec = py_pytree.tree_flatten(new(1))
-        self.assertIs(py_pytree.treespec_loads(py_pytree.treespec_dumps(new_spec)).type, new)
+        self.assertIs(
+            py_pytree.treespec_loads(py_pytree.treespec_dumps(new_spec)).type, new
+        )
         self.assertIs(py_pytree.tree_unflatten([2], old_spec).__class__, old)
         with self.assertRaisesRegex(ValueError, "would not load back"):
             py_pytree.treespec_dumps(old_spec)

@@ -102,7 +102,9 @@ class TestPytreeFamilyLazy(FamilyPackageTestCase):
             with self.assertRaisesRegex(ValueError, "Invalid pytree family name"):
                 py_pytree.register_pytree_family(bad)
         self.register_family("some_unimported_package.outputs:Out")
-        with self.assertRaisesRegex(ValueError, "already registered as a pytree family"):
+        with self.assertRaisesRegex(
+            ValueError, "already registered as a pytree family"
+        ):
             py_pytree.register_pytree_family("some_unimported_package.outputs:Out")
         self.assertNotIn("some_unimported_package", sys.modules)
         with self.assertRaisesRegex(ValueError, "not registered as a pytree family"):
@@ -139,7 +141,9 @@ class TestPytreeFamilyLazy(FamilyPackageTestCase):
         out_cls = sys.modules["familypkg.outputs"].Out
         self.assertIs(spec.type, out_cls)
         self.assertEqual(py_pytree.tree_unflatten([1], spec), out_cls(1))
-        nested = py_pytree.treespec_loads(self.spec_json("familypkg.outputs.Holder.Nested"))
+        nested = py_pytree.treespec_loads(
+            self.spec_json("familypkg.outputs.Holder.Nested")
+        )
         self.assertIs(nested.type, sys.modules["familypkg.outputs"].Holder.Nested)
 
     def test_loads_imports_nothing_outside_a_family_package(self) -> None:

@@ -162,7 +162,9 @@ TreeSpec(dict, ['a', 'b'], [TreeSpec(list, None, [*,
 
         def register(flatten: Any, unflatten: Any) -> None:
             with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # "Overwriting the previous registration"
+                warnings.simplefilter(
+                    "ignore"
+                )  # "Overwriting the previous registration"
                 py_pytree._private_register_pytree_node(
                     builtin,
                     flatten,
