@@ -175,6 +175,26 @@ class TestPytreeFamilyLazy(FamilyPackageTestCase):
             {"familypkg.other"},
         )
 
+    def test_load_errors_name_the_fix(self) -> None:
+        def loads_error(type_name: object) -> str:
+            with self.assertRaisesRegex(NotImplementedError, "not registered") as cm:
+                py_pytree.treespec_loads(self.spec_json(type_name))
+            return str(cm.exception)
+
+        self.register_family("familypkg.base:Base")
+        self.assertIn(
+            ". Import familypkg before loading: it has the pytree family "
+            "'familypkg.base:Base'.",
+            loads_error("familypkg.outputs.Out"),
+        )
+        self.assertIn(
+            ". A class defined in __main__ cannot be loaded by another program: "
+            "define it in a module, and import that module before loading.",
+            loads_error("__main__.Out"),
+        )
+        for message in (loads_error("otherpkg.outputs.Out"), loads_error(5)):
+            self.assertNotIn("family", message)  # stock's message
+
     def test_unpickled_spec_in_a_fresh_process(self) -> None:
         with open(os.path.join(self.root, "familypkg", "registers.py"), "w") as f:
             f.write(
