@@ -114,3 +114,10 @@ def test_stock_modules_of_a_standin_target(target, test_series):
                                            "torch.utils._cxx_pytree": str(saved / TEST_FILES[1]),
                                            NEW_FILE[:-3].replace("/", "."): None}
 
+
+def test_demo_names_torch_patch_apply_when_torch_is_not_patched(target):
+    code = f"import sys\nsys.path.insert(0, {str(target)!r})\nfrom torch_patch import demo\nsys.exit(demo.main([]))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                       env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert r.returncode == 1 and "run `torch-patch apply` first" in r.stderr, r.stderr
+    assert r.stdout == ""
