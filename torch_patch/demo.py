@@ -77,7 +77,7 @@ def _parser() -> argparse.ArgumentParser:
         "runs in its own processes: the patched one with the torch as installed, the stock one with the stock "
         "files that `torch-patch apply` saved. Needs a torch patched by `torch-patch apply`; the HuggingFace "
         "steps need transformers, the ONNX step onnx, onnxscript and onnxruntime (all in `pip install "
-        "torch_patch[test]`). Tiny models with random weights, nothing is downloaded. Takes about 40 s.",
+        "torch_patch[test]`). Tiny models with random weights, nothing is downloaded. Takes about 30 s.",
         epilog="exit status: 0 when every step of the patched torch matches eager (stock torch failing is "
         "expected), 1 otherwise, or when torch is not patched by torch-patch",
     )
