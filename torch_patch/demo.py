@@ -120,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
             print("  ".join(text.ljust(width) for text, width in zip(line, WIDTHS)).rstrip())
         print("  ".join("-" * width for width in WIDTHS) if i == 0 else "")
     notes = [f"{side}: {r['note']}" for side in results for r in results[side].values() if "note" in r]
-    print("\n".join(textwrap.fill(text, sum(WIDTHS) + 4) for text in [*notes, "", NEED]))
+    print("".join(textwrap.fill(text, sum(WIDTHS) + 4) + "\n" for text in notes) + "\n" * bool(notes) +
+          textwrap.fill(NEED, sum(WIDTHS) + 4))
     ok = all(r["ok"] is not False for r in results["patched"].values())
     print(f"\n{'OK' if ok else 'FAILED'}: the patched torch {'matches' if ok else 'does not match'} eager in every "
           f"step ({time.perf_counter() - start:.0f} s)")
@@ -186,7 +187,7 @@ def _child(stage: str, side_dir: str) -> int:
         if tuple(int(n) for n in version.split(".")[:2]) < (4, 32):
             step("bert", _export_and_run, bert, (ids, torch.ones_like(ids)))
     else:
-        results.update({s: {"ok": None, "text": "skipped: no transformers"} for s in ("cache", "onnx", "load")})
+        results.update({s: {"ok": None, "text": "skipped: pip install transformers"} for s in ("cache", "onnx", "load")})
     results["info"] = {"torch": torch.__version__, "transformers": version,
                        "has_family": hasattr(pytree, "register_pytree_family")}
     (d / "export.json").write_text(json.dumps(results))
