@@ -108,8 +108,9 @@ def _run_suite(
 
 @_session("tests-latest")
 def tests_latest(session: nox.Session) -> None:
-    """Latest transformers (and numpy 2); the full CI hypothesis profile (>= 100,000 examples)."""
-    _run_suite(session, hypothesis_profile="pytree-ci")
+    """Latest transformers and diffusers (and numpy 2); the full CI hypothesis profile
+    (>= 100,000 examples)."""
+    _run_suite(session, "diffusers", hypothesis_profile="pytree-ci")
 
 
 @_session("tests-hf431")

@@ -58,6 +58,12 @@ class FamilyPackageTestCase(FamilyTestCase):
                     pass
             """,
         "other.py": "SIDE_EFFECT = True\n",
+        "enums.py": """
+            import enum
+
+            class Color(enum.Enum):
+                RED = 1
+            """,
         "lazy.py": """
             def __getattr__(name):
                 import familypkg.other
@@ -174,6 +180,70 @@ class TestPytreeFamilyLazy(FamilyPackageTestCase):
             self.modules_imported_by_loads("familypkg.other.SIDE_EFFECT"),
             {"familypkg.other"},
         )
+
+    def test_load_errors_name_the_fix(self) -> None:
+        def loads_error(type_name: object) -> str:
+            with self.assertRaisesRegex(NotImplementedError, "not registered") as cm:
+                py_pytree.treespec_loads(self.spec_json(type_name))
+            return str(cm.exception)
+
+        self.register_family("familypkg.base:Base")
+        self.assertIn(
+            ". Import familypkg before loading: it has the pytree family "
+            "'familypkg.base:Base'.",
+            loads_error("familypkg.outputs.Out"),
+        )
+        self.assertIn(
+            ". A class defined in __main__ cannot be loaded by another program: "
+            "define it in a module, and import that module before loading.",
+            loads_error("__main__.Out"),
+        )
+        for message in (loads_error("otherpkg.outputs.Out"), loads_error(5)):
+            self.assertNotIn("family", message)  # stock's message
+
+    def test_enum_contexts_import_nothing(self) -> None:
+        # A spec whose context holds enums, as EnumEncoder writes them.
+        class Tagged:
+            def __init__(self, tag: Any, value: Any) -> None:
+                self.tag, self.value = tag, value
+
+        self.register_node(
+            py_pytree,
+            Tagged,
+            lambda t: ([t.value], t.tag),
+            lambda values, tag: Tagged(tag, *values),
+            serialized_type_name="test_pytree_family_lazy.Tagged",
+        )
+
+        def spec_json(fqn: str) -> str:
+            enum = {"__enum__": True, "fqn": fqn, "name": "RED"}
+            leaf = {"type": None, "context": None, "children_spec": []}
+            node = {
+                "type": "test_pytree_family_lazy.Tagged",
+                "context": json.dumps(enum),
+                "children_spec": [leaf],
+            }
+            return json.dumps([1, node])
+
+        self.register_family("familypkg.base:Base")  # a family package, too
+        importlib.import_module("familypkg.base")
+        for fqn in (
+            "familypkg.enums:Color",  # not imported
+            "familypkg.other:SIDE_EFFECT",  # not imported, not an enum
+            "os:environ",  # imported, not an enum
+            "familypkg.base:Base",  # imported, not an enum
+            "enum:Enum.__getattr__",
+            "not_a_module_anywhere:Color",
+        ):
+            before = set(sys.modules)
+            with self.assertRaisesRegex(ValueError, "Import the module of enum"):
+                py_pytree.treespec_loads(spec_json(fqn))
+            self.assertEqual(set(sys.modules) - before, set(), fqn)
+        from familypkg.enums import Color
+
+        spec = py_pytree.treespec_loads(spec_json("familypkg.enums:Color"))
+        self.assertIs(spec.context, Color.RED)
+        self.assertIs(py_pytree.tree_unflatten([1], spec).tag, Color.RED)
 
     def test_unpickled_spec_in_a_fresh_process(self) -> None:
         with open(os.path.join(self.root, "familypkg", "registers.py"), "w") as f:

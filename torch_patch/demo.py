@@ -1,196 +1,312 @@
-"""The main-job demo: export a HuggingFace model whose output is a ``ModelOutput``.
+"""Before and after: what stock torch and the patched torch do with the same code.
 
-Run it with ``python -m torch_patch.demo`` after ``torch-patch apply``. It builds a
-tiny BERT and a tiny GPT-2 (``use_cache=True``) from configs (random weights,
-nothing is downloaded), exports them with ``torch.export.export``, runs the
-exported programs, saves and reloads them, and shows that the outputs are the
-same ``ModelOutput`` subclasses, with the same structure (KV cache included) and
-values as the eager models. Then it exports the GPT-2 with
-``torch.onnx.export(..., dynamo=True)``, runs it in onnxruntime and prints the
-names of the ONNX graph outputs and the largest difference from eager (skipped,
-with the command that installs them, when onnx, onnxscript or onnxruntime are
-missing).
+Run it with ``python -m torch_patch.demo`` after ``torch-patch apply``. Each side runs the steps in two
+subprocesses (export and run; then a fresh process that loads the saved programs), which write their results
+as JSON: the patched side with the torch as installed, the stock side with ``torch_patch.stock``, which
+imports the modules the series changes from the stock files that `torch-patch apply` saved. Then it prints
+a table: step | stock torch | patched torch, with the first sentence of each error. The models are built
+from tiny configs (random weights, nothing is downloaded).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib.util
-import io
+import inspect
+import itertools
+import json
 import logging
+import os
+import re
+import subprocess
 import sys
+import tempfile
+import textwrap
 import time
 import warnings
+from pathlib import Path
+
+from . import core, stock
+
+STEPS = {
+    "family": "your own dataclass outputs (a family): export, save, load in a fresh process, run",
+    "cache": "GPT-2 with its KV cache: export, 3 decode steps feeding the cache back",
+    "onnx": "GPT-2 with its KV cache: export to ONNX (dynamo=True), run in onnxruntime",
+    "load": "BERT: export, save, load in a fresh process that ran `import torch, transformers`, run",
+    "bert": "BERT (transformers < 4.32): export, run",
+}
+WIDTHS = (26, 40, 30)  # of the table's columns
+NEED = ("You need the series for: your own output classes (every subclass, present and future, of a "
+        "registered base); KV caches (transformers >= 4.36); programs loaded in a fresh process; "
+        "transformers < 4.32 and diffusers < 0.22 (which do not register their output classes).")
+# The user's module, which the processes that export and load import. Stock torch has no families: there
+# its classes stay leaves, as any class that nobody registered.
+OUTPUTS = '''import dataclasses
+import torch
+import torch.utils._pytree as pytree
+
+@dataclasses.dataclass
+class Output:
+    logits: torch.Tensor
+
+if hasattr(pytree, "register_pytree_family"):
+    pytree.register_pytree_family(Output)
+
+@dataclasses.dataclass
+class ScoredOutput(Output):  # created after the registration: a member too
+    scores: torch.Tensor | None = None
+
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        logits = self.linear(x)
+        return ScoredOutput(logits, logits.softmax(-1))
+'''
 
 
 def _parser() -> argparse.ArgumentParser:
-    return argparse.ArgumentParser(
+    p = argparse.ArgumentParser(
         prog="python -m torch_patch.demo",
-        description=(
-            "Export a tiny BERT and a tiny GPT-2 (use_cache=True) built from configs (random "
-            "weights, nothing is downloaded) with torch.export.export, run, save and reload the "
-            "exported programs, and check that they return the models' own ModelOutput classes "
-            "with the eager structure and values; then export the GPT-2 to ONNX (dynamo=True) "
-            "and run it in onnxruntime. Needs the patched torch (run `torch-patch apply` "
-            "first) and transformers; the ONNX part needs onnx, onnxscript and onnxruntime. "
-            "Takes about a minute."
-        ),
-        epilog="exit status: 0 the exported programs match the eager models, 1 otherwise "
-        "(or torch is not patched)",
+        description="Show what stock torch and the patched torch do with the same code: a model that returns "
+        "your own dataclass outputs, GPT-2 with its KV cache (export and decode steps; ONNX in onnxruntime), "
+        "a saved HuggingFace program loaded in a fresh process, and BERT under transformers < 4.32. Each side "
+        "runs in its own processes: the patched one with the torch as installed, the stock one with the stock "
+        "files that `torch-patch apply` saved. Needs a torch patched by `torch-patch apply`; the HuggingFace "
+        "steps need transformers, the ONNX step onnx, onnxscript and onnxruntime (all in `pip install "
+        "torch_patch[test]`). Tiny models with random weights, nothing is downloaded. Takes about 30 s.",
+        epilog="exit status: 0 when every step of the patched torch matches eager (stock torch failing is "
+        "expected), 1 otherwise, or when torch is not patched by torch-patch",
     )
+    p.add_argument("--child", nargs=2, metavar=("STAGE", "DIR"), help=argparse.SUPPRESS)
+    return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    _parser().parse_args(argv)
-    import torch
-    import torch.utils._pytree as pytree
-
-    if not hasattr(pytree, "register_pytree_family"):
-        print(
-            f"error: the torch at {torch.__file__} is not patched "
-            "(torch.utils._pytree has no register_pytree_family).\n"
-            "Run `torch-patch apply` first, then this demo again "
-            "(`torch-patch status` tells what it sees).",
-            file=sys.stderr,
-        )
+    args = _parser().parse_args(argv)
+    if args.child:
+        return _child(*args.child)
+    try:
+        modules = stock.stock_modules()
+    except core.TorchPatchError as e:
+        print(f"python -m torch_patch.demo: error: {e}", file=sys.stderr)
         return 1
-
-    import transformers
-    from transformers import BertConfig, BertModel, GPT2Config, GPT2LMHeadModel
-
-    print(
-        f"torch {torch.__version__} (patched), transformers {transformers.__version__}"
-    )
-    torch.manual_seed(0)
-    input_ids = torch.randint(0, 99, (2, 7))
-    bert = BertModel(
-        BertConfig(
-            vocab_size=99,
-            hidden_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            intermediate_size=37,
-        )
-    ).eval()
-    # GPT-2 with use_cache=True returns its KV cache (a DynamicCache under
-    # transformers 5.x), which stock torch cannot export either.
-    gpt2 = GPT2LMHeadModel(
-        GPT2Config(
-            n_layer=2,
-            n_embd=32,
-            n_head=2,
-            vocab_size=99,
-            bos_token_id=98,
-            eos_token_id=98,
-        )
-    ).eval()
-    ok = True
-    for name, model, kwargs in (
-        ("BertModel", bert, {"attention_mask": torch.ones_like(input_ids)}),
-        ("GPT2LMHeadModel", gpt2, {"use_cache": True}),
-    ):
-        ok &= _export_and_check(name, model, input_ids, kwargs)
-    ok &= _onnx_export_and_check(
-        "GPT2LMHeadModel", gpt2, input_ids, {"use_cache": True}
-    )
-    print(
-        "OK: the exported programs return the models' own ModelOutput classes."
-        if ok
-        else "FAILED"
-    )
+    start, results = time.perf_counter(), {}
+    with tempfile.TemporaryDirectory(prefix="torch-patch-demo-") as tmp:
+        (Path(tmp) / "demo_outputs.py").write_text(OUTPUTS)
+        for side in ("stock", "patched"):
+            print(f"running the steps with {side} torch ...", flush=True)
+            (Path(tmp) / side).mkdir()
+            if side == "stock":
+                (Path(tmp) / side / "stock-modules.json").write_text(json.dumps(modules))
+            results[side] = _run_side(Path(tmp), side)
+    stock_info, info = (results[side].pop("info", None) for side in ("stock", "patched"))
+    if stock_info and stock_info["has_family"]:
+        print("python -m torch_patch.demo: error: the stock side imported the patched pytree", file=sys.stderr)
+        return 1
+    info = info or stock_info or {"torch": "?", "transformers": "?"}
+    print("\n" + textwrap.fill(f"torch {info['torch']}, transformers {info['transformers'] or '(not installed)'}. "
+                               f"stock torch: the stock files that torch-patch saved, imported instead of the "
+                               f"patched ones. ok: the same output classes, structure and values as eager.",
+                               sum(WIDTHS) + 4), end="\n\n")
+    rows = [(STEPS[s], results["stock"].get(s, {"text": "(not run)"})["text"], results["patched"][s]["text"])
+            for s in STEPS if s in results["patched"]]
+    for i, row in enumerate([("step", "stock torch", "patched torch"), *rows]):
+        cells = [textwrap.wrap(text, width) for text, width in zip(row, WIDTHS)]
+        for line in itertools.zip_longest(*cells, fillvalue=""):
+            print("  ".join(text.ljust(width) for text, width in zip(line, WIDTHS)).rstrip())
+        print("  ".join("-" * width for width in WIDTHS) if i == 0 else "")
+    notes = [f"{side}: {r['note']}" for side in results for r in results[side].values() if "note" in r]
+    print("".join(textwrap.fill(text, sum(WIDTHS) + 4) + "\n" for text in notes) + "\n" * bool(notes) +
+          textwrap.fill(NEED, sum(WIDTHS) + 4))
+    ok = all(r["ok"] is not False for r in results["patched"].values())
+    print(f"\n{'OK' if ok else 'FAILED'}: the patched torch {'matches' if ok else 'does not match'} eager in every "
+          f"step ({time.perf_counter() - start:.0f} s)")
     return 0 if ok else 1
 
 
-_ONNX_PACKAGES = ("onnx", "onnxscript", "onnxruntime")
+def _run_side(tmp: Path, side: str) -> dict:
+    """Both stages of one side; {step: {"ok": True, False or None (skipped), "text": ...}, "info": {...}}."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp), os.environ.get("PYTHONPATH")]))}
+    results: dict = {}
+    for stage in ("export", "load"):
+        proc = subprocess.run([sys.executable, "-m", "torch_patch.demo", "--child", stage, str(tmp / side)],
+                              env=env, cwd=tmp, capture_output=True, text=True)
+        out = tmp / side / f"{stage}.json"
+        if proc.returncode or not out.exists():
+            last = ((proc.stderr or proc.stdout).strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+            return {**results, **{s: {"ok": False, "text": f"crashed: {last}"} for s in STEPS}}
+        for step, result in json.loads(out.read_text()).items():
+            results[step] = {**results.get(step, {}), **result}
+    return results
 
 
-def _onnx_export_and_check(name: str, model, input_ids, kwargs) -> bool:  # type: ignore[no-untyped-def]
+def _child(stage: str, side_dir: str) -> int:
+    d = Path(side_dir)
+    if (d / "stock-modules.json").exists():
+        stock.install(json.loads((d / "stock-modules.json").read_text()))
+    warnings.simplefilter("ignore")  # the output is captured; a crash shows its last line
     import torch
     import torch.utils._pytree as pytree
 
-    print(f"\n{name}: torch.onnx.export(..., dynamo=True), run in onnxruntime ...")
-    missing = [p for p in _ONNX_PACKAGES if importlib.util.find_spec(p) is None]
-    if missing:
-        print(
-            f"  skipped: {', '.join(missing)} not installed. Install them with\n"
-            f"    {sys.executable} -m pip install {' '.join(_ONNX_PACKAGES)}\n"
-            "  (`pip install -e '.[test]'` of this repository includes them)."
-        )
-        return True
-    import onnxruntime
+    has_hf, results = importlib.util.find_spec("transformers") is not None, {}
 
-    start = time.perf_counter()
-    inputs = {"input_ids": input_ids, **kwargs}
-    # Keep the output readable: the exporter logs that torchvision's ops are not
-    # registered (torchvision is not installed), and stock 2.13.0 warns when it
-    # copies a LeafSpec. Neither concerns this demo.
-    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(
-        logging.ERROR
-    )
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.filterwarnings(
-            "ignore",
-            message=r".*isinstance\(treespec, LeafSpec\)",
-            category=FutureWarning,
-        )
-        eager = model(**inputs)
-        onnx_program = torch.onnx.export(
-            model, (), kwargs=inputs, dynamo=True, verbose=False
-        )
-    session = onnxruntime.InferenceSession(
-        onnx_program.model_proto.SerializeToString(),
-        providers=["CPUExecutionProvider"],
-    )
-    (input_name,) = (i.name for i in session.get_inputs())
-    results = session.run(None, {input_name: input_ids.numpy()})
-    elapsed = time.perf_counter() - start
-    eager_leaves = [t for t in pytree.tree_leaves(eager) if isinstance(t, torch.Tensor)]
-    max_diff = max(
-        (torch.from_numpy(r) - t).abs().max().item()
-        for r, t in zip(results, eager_leaves, strict=True)
-    )
-    print(f"  ONNX graph inputs: {input_name}")
-    print(f"  ONNX graph outputs: {', '.join(o.name for o in session.get_outputs())}")
-    print(f"  max |onnx - eager| over {len(results)} tensors: {max_diff:.2e}")
-    print(f"  export and run: {elapsed:.1f} s")
-    return max_diff < 1e-5
+    def step(name: str, fn, *args) -> None:
+        try:
+            results[name] = fn(*args)
+        except Exception as e:  # the table shows it
+            results[name] = {"ok": False, "text": _short(e)}
+
+    if stage == "load":  # a fresh process: `import torch, transformers`, then the saved programs
+        if has_hf and (d / "bert.pt2").exists():
+            import transformers
+
+            step("load", _load, d / "bert")
+        if (d / "family.pt2").exists():
+            import demo_outputs  # as the user's program does
+
+            step("family", _load, d / "family")
+        (d / "load.json").write_text(json.dumps(results))
+        return 0
+    import demo_outputs
+
+    torch.manual_seed(0)
+    step("family", _export_and_save, demo_outputs.Model(), (torch.randn(2, 4),), d / "family")
+    version = None
+    if has_hf:
+        import transformers
+
+        version, (bert, gpt2) = transformers.__version__, _models()
+        ids = torch.randint(0, 99, (2, 7))
+        step("cache", _decode, gpt2, torch.randint(0, 99, (1, 6)))
+        step("onnx", _onnx, gpt2, ids)
+        step("load", _export_and_save, bert, (ids, torch.ones_like(ids)), d / "bert")  # ids, attention mask
+        if tuple(int(n) for n in version.split(".")[:2]) < (4, 32):
+            step("bert", _export_and_run, bert, (ids, torch.ones_like(ids)))
+    else:
+        results.update({s: {"ok": None, "text": "skipped: pip install transformers"} for s in ("cache", "onnx", "load")})
+    results["info"] = {"torch": torch.__version__, "transformers": version,
+                       "has_family": hasattr(pytree, "register_pytree_family")}
+    (d / "export.json").write_text(json.dumps(results))
+    return 0
 
 
-def _export_and_check(name: str, model, input_ids, kwargs) -> bool:  # type: ignore[no-untyped-def]
+def _short(e: BaseException) -> str:
+    """The first sentence of the error that caused ``e`` (the ONNX exporter wraps export's), classes by name."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    text = re.sub(r"<class '([\w.]+)'>", r"\1", (str(e).strip().splitlines() or [""])[0])
+    text = re.sub(r"\b(?:[a-z_]\w*\.)+([A-Z]\w*)", r"\1", text)  # transformers.cache_utils.DynamicCache
+    text = text.split(". ")[0].rstrip(".")
+    return text if len(text) > 20 else f"{type(e).__name__}: {text}"
+
+
+def _models() -> tuple:
+    from transformers import BertConfig, BertModel, GPT2Config, GPT2LMHeadModel
+
+    bert = BertModel(BertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                intermediate_size=37))
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=99, bos_token_id=98,
+                                      eos_token_id=98))
+    return bert.eval(), gpt2.eval()
+
+
+def _diff(expected, actual) -> float:
     import torch
     import torch.utils._pytree as pytree
 
-    print(f"\n{name} (tiny config, random weights): torch.export.export ...")
-    exported = torch.export.export(model, (input_ids,), kwargs)
+    (e, e_spec), (a, a_spec) = pytree.tree_flatten(expected), pytree.tree_flatten(actual)
+    if e_spec != a_spec or type(expected) is not type(actual):
+        raise AssertionError(f"the output is a {type(actual).__name__}, not a {type(expected).__name__} like eager")
+    return max((x - y).abs().max().item() for x, y in zip(e, a) if isinstance(x, torch.Tensor))
+
+
+def _ok(diff: float, what: str = "matches eager") -> dict:
+    return {"ok": diff < 1e-5, "text": f"{'ok' if diff < 1e-5 else 'WRONG'}, {what} (max diff {diff:.2g})"}
+
+
+def _export_and_run(model, args: tuple) -> dict:
+    import torch
+
     with torch.no_grad():
-        eager = model(input_ids, **kwargs)
-    out = exported.module()(input_ids, **kwargs)
+        return _ok(_diff(model(*args), torch.export.export(model, args).module()(*args)))
 
-    buffer = io.BytesIO()
-    torch.export.save(exported, buffer)
-    buffer.seek(0)
-    reloaded = torch.export.load(buffer).module()(input_ids, **kwargs)
 
-    eager_leaves, eager_spec = pytree.tree_flatten(eager)
-    out_leaves, out_spec = pytree.tree_flatten(out)
-    max_diff = max(
-        (a - b).abs().max().item()
-        for a, b in zip(out_leaves, eager_leaves, strict=True)
-    )
-    print(f"  exported output type: {type(out).__module__}.{type(out).__qualname__}")
-    for key, value in out.items():
-        print(f"    {key}: {type(value).__qualname__}")
-    print(f"  max |exported - eager| over {len(out_leaves)} tensors: {max_diff:.2e}")
-    print(
-        f"  after torch.export.save/load: {type(reloaded).__qualname__} "
-        f"with keys {list(reloaded.keys())}"
-    )
-    return (
-        type(out) is type(eager)
-        and type(reloaded) is type(eager)
-        and out_spec == eager_spec
-        and max_diff < 1e-5
-    )
+def _export_and_save(model, args: tuple, path: Path) -> dict:
+    import torch
+
+    torch.export.save(torch.export.export(model, args), f"{path}.pt2")
+    torch.save(args, f"{path}.args.pt")
+    with torch.no_grad():
+        torch.save(model(*args), f"{path}.expected.pt")
+    return {"ok": None, "text": "saved"}  # the load stage tells
+
+
+def _load(path: Path) -> dict:
+    import torch
+
+    errors: list = []  # torch.export.load logs the error it meets, then raises a vaguer one
+    handler = logging.Handler()
+    handler.emit = lambda record: errors.append(record.exc_info and record.exc_info[1])
+    logging.getLogger("torch.export").addHandler(handler)
+    try:
+        program = torch.export.load(f"{path}.pt2")
+    except RuntimeError as e:
+        raise next(filter(None, errors), e) from None
+    got = program.module()(*torch.load(f"{path}.args.pt"))
+    expected = torch.load(f"{path}.expected.pt", weights_only=False)  # unpickling imports its class's module
+    return _ok(_diff(expected, got))
+
+
+def _decode(model, prefill) -> dict:
+    import torch
+    import torch.utils._pytree as pytree
+
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"  # < 5.0
+    tokens = [torch.randint(0, 99, (1, 1)) for _ in range(3)]
+    with torch.no_grad():
+        cache = model(input_ids=prefill, use_cache=True)[name]
+        if isinstance(cache, tuple):  # transformers < 4.36: strided views after the prefill, as the steps make
+            cache = pytree.tree_map(torch.Tensor.contiguous, cache)
+        expected, c = [], cache
+        for token in tokens:  # eager; a cache object is updated in place, hence the copies
+            expected.append(model(input_ids=token, use_cache=True, **{name: copy.deepcopy(c)}))
+            c = expected[-1][name]
+        kwargs = {"input_ids": tokens[0], name: copy.deepcopy(cache), "use_cache": True}
+        shapes, length = torch.export.ShapesCollection(), torch.export.Dim("length", max=model.config.n_positions - 1)
+        for leaf in pytree.tree_leaves(kwargs[name]):  # the cache length is dynamic
+            if isinstance(leaf, torch.Tensor):
+                shapes[leaf] = {2: length}
+        program = torch.export.export(model, (), kwargs, dynamic_shapes=shapes.dynamic_shapes(model, (), kwargs))
+        run, diffs, c = program.module(), [], copy.deepcopy(cache)
+        for token, want in zip(tokens, expected):
+            got = run(input_ids=token, use_cache=True, **{name: c})
+            diffs.append(_diff(want, got))
+            c = got[name]
+    return _ok(max(diffs), f"{len(tokens)} steps match eager")
+
+
+def _onnx(model, ids) -> dict:
+    missing = [p for p in ("onnx", "onnxscript", "onnxruntime") if importlib.util.find_spec(p) is None]
+    if missing:
+        return {"ok": None, "text": f"skipped: pip install {' '.join(missing)}"}
+    import onnxruntime
+    import torch
+    import torch.utils._pytree as pytree
+
+    with torch.no_grad():
+        eager = model(input_ids=ids, use_cache=True)
+        program = torch.onnx.export(model, (), kwargs={"input_ids": ids, "use_cache": True}, dynamo=True,
+                                    verbose=False)
+    session = onnxruntime.InferenceSession(program.model_proto.SerializeToString(),
+                                           providers=["CPUExecutionProvider"])
+    got = session.run(None, {session.get_inputs()[0].name: ids.numpy()})
+    want = pytree.tree_leaves(eager)
+    diff = max((torch.from_numpy(g) - w).abs().max().item() for g, w in zip(got, want, strict=True))
+    return {**_ok(diff), "note": f"ONNX graph outputs: {', '.join(o.name for o in session.get_outputs())}"}
 
 
 if __name__ == "__main__":

@@ -575,9 +575,12 @@ CausalLMOutputLike ["logits", "past_key_values"]
             def forward(self, x: torch.Tensor) -> Any:
                 return self.make(x)
 
-        # what stock PyTorch says
+        # what stock PyTorch says, and for a dataclass or a dict subclass (not for
+        # other classes) how to register it with its family
         message = (
-            "Encountered unrecognized type" if strict else "which is not a known type"
+            "Encountered unrecognized type"
+            if strict
+            else r"not a known type\. .* with torch\.utils\._pytree\.register_pytree_family"
         )
         for make in (
             lambda x: UnregisteredOutput(logits=x + 1),
@@ -585,6 +588,10 @@ CausalLMOutputLike ["logits", "past_key_values"]
         ):
             with self.assertRaisesRegex(Exception, message):
                 torch.export.export(Returns(make), (torch.ones(2),), strict=strict)
+        if not strict:
+            with self.assertRaisesRegex(Exception, "not a known type") as cm:
+                torch.export.export(Returns(lambda x: Exception(x)), (torch.ones(2),))
+            self.assertNotIn("register_pytree_family", str(cm.exception))
 
 
 # Functions of (pytree module, tree) that call one entry point each; compiled

@@ -15,6 +15,7 @@ downloaded. Without transformers every test skips;
 """
 
 import dataclasses
+import importlib.util
 import json
 import os
 import subprocess
@@ -481,6 +482,22 @@ class TestExportHFModelOutput(TestCase):
                     f"{cls.__module__}.{cls.__name__}",
                 )
 
+    def test_key_paths_name_the_fields(self):
+        # transformers 4.32 to 5.13 registers its outputs without a key function:
+        # their context lists the keys; 4.31 has the family's, 5.14+ its own
+        from transformers.modeling_outputs import CausalLMOutputWithCrossAttentions
+
+        out = CausalLMOutputWithCrossAttentions(
+            logits=torch.ones(1), hidden_states=(torch.ones(2),)
+        )
+        pairs, _ = py_pytree.tree_flatten_with_path(out)
+        self.assertEqual(
+            [py_pytree.keystr(path) for path, _ in pairs],
+            ["['logits']", "['hidden_states'][0]"],
+        )
+        for path, leaf in pairs:
+            self.assertIs(py_pytree.key_get(out, path), leaf)
+
     @parametrize("import_order", ["torch_first", "transformers_first"])
     def test_import_and_build_emit_no_warnings(self, import_order):
         check_import_and_build_emit_no_warnings(self, import_order, use_cache=False)
@@ -544,6 +561,26 @@ class TestExportHFModelOutput(TestCase):
             result["leaf_types"],
             ["Tensor", "int", "NoneType", "MyDict", "int", "Plain"],
         )
+
+
+@unittest.skipIf(importlib.util.find_spec("diffusers") is None, "needs diffusers")
+class TestExportDiffusersOutput(TestCase):
+    def test_key_paths_and_export(self):
+        # diffusers >= 0.22 registers each BaseOutput without a key function
+        from diffusers.models.unets.unet_2d import UNet2DOutput
+
+        class Head(torch.nn.Module):
+            def forward(self, x):
+                return UNet2DOutput(sample=x * 2)
+
+        x = torch.randn(2, 3)
+        pairs, _ = py_pytree.tree_flatten_with_path(Head()(x))
+        self.assertEqual([py_pytree.keystr(path) for path, _ in pairs], ["['sample']"])
+        for strict in (True, False):
+            with self.subTest(strict=strict):
+                actual = torch.export.export(Head(), (x,), strict=strict).module()(x)
+                self.assertIs(type(actual), UNet2DOutput)
+                self.assertEqual(actual.sample, x * 2)
 
 
 instantiate_parametrized_tests(TestExportHFModelOutput)

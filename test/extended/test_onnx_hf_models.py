@@ -367,6 +367,27 @@ class TestONNXHFModels(TestCase):
             torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL)
 
 
+@unittest.skipIf(
+    _MISSING or importlib.util.find_spec("diffusers") is None,
+    f"needs {', '.join(_MISSING + ['diffusers'])}",
+)
+class TestONNXDiffusersOutput(TestCase):
+    def test_output_named_after_the_field(self) -> None:
+        # diffusers >= 0.22 registers each BaseOutput without a key function
+        from diffusers.models.unets.unet_2d import UNet2DOutput
+
+        class Head(torch.nn.Module):
+            def forward(self, x: torch.Tensor) -> UNet2DOutput:
+                return UNet2DOutput(sample=x * 2)
+
+        x = torch.randn(2, 3)
+        onnx_program = torch.onnx.export(Head(), (x,), dynamo=True, verbose=False)
+        graph = onnx_program.model.graph
+        self.assertEqual([v.name for v in graph.outputs], ["sample"])
+        (got,) = _run(_session(onnx_program), [x])
+        torch.testing.assert_close(got, x * 2)
+
+
 instantiate_parametrized_tests(TestONNXHFModels)
 
 

@@ -103,7 +103,7 @@ def test_dev_export_shares_a_patch_of_an_earlier_line(tmp_path, dev_tree):
 
 
 def test_shipped_series_of_every_line():
-    """Each line has the same eight concerns in the same order (patch 3, Dynamo, differs); a shared entry
+    """Each line has the same concerns in the same order (patch 3, Dynamo, differs); a shared entry
     names a file of an earlier line."""
     subjects = []
     for i, line in enumerate(core.RELEASE_LINES):
