@@ -166,12 +166,16 @@ def _prompts() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def _empty_cache(model: Any, batch: int) -> Any:
-    """A cache of past length 0: the exported step's cache with no positions."""
+    """A cache of past length 0, of the structure of the exported step's cache."""
     with torch.no_grad():
         cache = model(input_ids=torch.full((batch, 1), BOS), use_cache=True)[
             _cache_name(model)
         ]
-    return pytree.tree_map(lambda t: t[:, :, :0].contiguous(), cache)
+    # New tensors: ExecuTorch wants a contiguous tensor's strides, which a slice
+    # of length 0 does not have.
+    return pytree.tree_map(
+        lambda t: t.new_zeros(batch, t.shape[1], 0, t.shape[3]), cache
+    )
 
 
 @unittest.skipIf(_MISSING, f"needs {', '.join(_MISSING)}")
