@@ -30,6 +30,7 @@ nox.options.sessions = [
     "tests-hf431",
     "tests-hf446",
     "tests-ci-pins",
+    "tests-deploy",
     "lint",
     "commits",
 ]
@@ -144,6 +145,36 @@ def tests_hf446(session: nox.Session) -> None:
             "test/test_pytree_family.py",
             "test/test_pytree_fast_path.py",
         ),
+    )
+
+
+# The decode loops in the runtimes HF users deploy to; they skip in the other sessions,
+# which lack the runtimes.
+_DEPLOY_TESTS = (
+    "test/onnx/test_onnx_hf_decode.py",
+    "test/export/test_export_hf_executorch.py",
+)
+
+
+@_session("tests-deploy")
+def tests_deploy(session: nox.Session) -> None:
+    """The runtimes HF users deploy to: optimum-onnx, onnxruntime-genai and ExecuTorch.
+
+    Tiny Llama and GPT-2 decode steps, exported to ONNX and with torch.export,
+    decoded greedily by optimum-onnx 0.1.0's ORTModelForCausalLM,
+    onnxruntime-genai 0.18.0 and ExecuTorch 1.5.1 (portable and XNNPACK), token for
+    token against eager generate(). transformers 4.57.6, the newest release that
+    optimum-onnx 0.1.0 allows; all of them install beside torch 2.13.0 in one venv.
+    Only these test files (README.md, Deploy).
+    """
+    _run_suite(
+        session,
+        "transformers==4.57.6",
+        "optimum-onnx==0.1.0",
+        "onnxruntime-genai==0.18.0",
+        "executorch==1.5.1",
+        hypothesis_profile="pytree-quick",
+        default_tests=_DEPLOY_TESTS,
     )
 
 
