@@ -128,8 +128,10 @@ def dev_export(dev_dir: Optional[os.PathLike] = None, *, patches_dir: Optional[o
             raise TorchPatchError(f"commit {name} touches {outside[0].decode()}, outside torch/; library patches "
                                   f"change only torch/ (tests live in this repo's test/)")
     earlier = list(RELEASE_LINES)[:list(RELEASE_LINES).index(out.name)] if out.name in RELEASE_LINES else []
-    entries = {name: next((f"../{line}/{name}" for line in earlier if (out.parent / line / name).is_file() and
-                           same_change((out.parent / line / name).read_bytes(), data)), name)
+    # A patch that is the same change as a file of an earlier line is that file (its number may differ: a line
+    # can lack a patch whose change its release already has)
+    shared = [(line, f) for line in earlier for f in sorted((out.parent / line).glob("*.patch"))]
+    entries = {name: next((f"../{line}/{f.name}" for line, f in shared if same_change(f.read_bytes(), data)), name)
                for name, data in new.items()}
     out.mkdir(parents=True, exist_ok=True)
     written = [name for name, data in new.items() if entries[name] == name and _read(out / name) != data]
