@@ -100,6 +100,11 @@ def test_dev_export_shares_a_patch_of_an_earlier_line(tmp_path, dev_tree):
     torch_patch.dev_export(dev_tree, patches_dir=root / "2.14", log=lambda s: None)
     assert series_names(root / "2.14") == [names[0], f"../2.13/{names[1]}"]
     assert "Adds a comment" in (root / "2.14" / names[0]).read_text()
+    # the same change under another number (a line that lacks an earlier patch) is shared too
+    renamed = root / "2.13" / ("0009" + names[1][4:])
+    (root / "2.13" / names[1]).rename(renamed)
+    torch_patch.dev_export(dev_tree, patches_dir=root / "2.14", log=lambda s: None)
+    assert series_names(root / "2.14") == [names[0], f"../2.13/{renamed.name}"]
 
 
 def test_shipped_series_of_every_line():
