@@ -207,8 +207,9 @@ def test_export_generic_cut_of_the_real_series(tmp_path, template):
     assert run_cli("export", full, "--from", template).returncode == 0
     r = run_cli("export", generic, "--cut", "generic", "--from", template)
     assert r.returncode == 0 and r.stdout.startswith("generic cut: "), r.stderr
-    names = series_names(generic)
-    assert 0 < len(names) < len(series_names(full)) and names == series_names(full)[:len(names)]
+    keep = int(re.match(r"generic cut: (\d+) of", r.stdout)[1])
+    names = series_names(generic)[:keep]  # the library patches (a commit of other tests may follow)
+    assert 0 < keep < len(series_names(full)) and names == series_names(full)[:keep]
     assert all((generic / n).read_bytes() == (full / n).read_bytes() for n in names)
     hf = re.compile(r"^\+.*\b(?:transformers|diffusers|HuggingFace)\b", re.M | re.I)
     library = ["".join(s for s in re.split(r"^diff --git ", (full / n).read_text(), flags=re.M) if s.startswith(
