@@ -38,6 +38,17 @@ from torch.testing._internal.common_utils import (
 )
 from torch.torch_version import TorchVersion
 
+from hf_decode_models import (  # next to this file (on sys.path under pytest and python)
+    BOS,
+    build,
+    cache_argument,
+    EOS,
+    MODELS,
+    NEW_TOKENS,
+    PAD,
+    VOCAB,
+)
+
 
 _MISSING = [
     name
@@ -50,54 +61,15 @@ if not _MISSING:
     if TorchVersion(transformers.__version__) < "4.56":
         _MISSING.append("transformers>=4.56")
 
-MODELS = ("llama", "gpt2")
-VOCAB = 128
-PAD, BOS, EOS = 0, 1, 2
-NEW_TOKENS = 10
 # The upper bounds of the dynamic dimensions, for ExecuTorch's memory planning.
 MAX_BATCH, MAX_LENGTH = 4, 64
 
 
 def _build(name: str) -> Any:
-    """A tiny model with random weights, larger than the default so greedy varies."""
-    torch.manual_seed(0)
-    if name == "llama":
-        config = transformers.LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=256,
-            initializer_range=0.2,
-            pad_token_id=PAD,
-            bos_token_id=BOS,
-            eos_token_id=EOS,
-        )
-        return transformers.LlamaForCausalLM(config).eval()
-    config = transformers.GPT2Config(
-        vocab_size=VOCAB,
-        n_embd=64,
-        n_layer=2,
-        n_head=4,
-        n_positions=256,
-        initializer_range=0.2,
-        # With SDPA, lowering fails in torch's run_decompositions: GPT-2 views the
-        # attention output, which decomposed has other strides than export
-        # recorded ("Cannot view a tensor with shape", pytorch#136543).
-        attn_implementation="eager",
-        pad_token_id=PAD,
-        bos_token_id=BOS,
-        eos_token_id=EOS,
-    )
-    return transformers.GPT2LMHeadModel(config).eval()
-
-
-def _cache_name(model: Any) -> str:
-    """The cache argument: ``cache`` in recent transformers 5.x, else ``past_key_values``."""
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
+    # With SDPA, lowering fails in torch's run_decompositions: GPT-2 views the
+    # attention output, which decomposed has other strides than export recorded
+    # ("Cannot view a tensor with shape", pytorch#136543).
+    return build(name, attn_implementation="eager")
 
 
 def _in_forward_order(model: Any, inputs: dict[str, Any]) -> dict[str, Any]:
@@ -108,7 +80,7 @@ def _in_forward_order(model: Any, inputs: dict[str, Any]) -> dict[str, Any]:
 
 def _export(model: Any) -> torch.export.ExportedProgram:
     """The decode step: 2 new tokens after a past of 3, exported with dynamic shapes."""
-    cache_name = _cache_name(model)
+    cache_name = cache_argument(model)
     with torch.no_grad():
         past = model(input_ids=torch.randint(3, VOCAB, (2, 3)), use_cache=True)
     inputs = _in_forward_order(
@@ -169,7 +141,7 @@ def _empty_cache(model: Any, batch: int) -> Any:
     """A cache of past length 0, of the structure of the exported step's cache."""
     with torch.no_grad():
         cache = model(input_ids=torch.full((batch, 1), BOS), use_cache=True)[
-            _cache_name(model)
+            cache_argument(model)
         ]
     # New tensors: ExecuTorch wants a contiguous tensor's strides, which a slice
     # of length 0 does not have.
@@ -198,7 +170,7 @@ class TestExecuTorchDecode(TestCase):
         attention_mask: torch.Tensor,
     ) -> torch.Tensor:
         """Greedy decoding in ExecuTorch, as ``generate()`` does it for these models."""
-        cache_name = _cache_name(model)
+        cache_name = cache_argument(model)
         cache = _empty_cache(model, input_ids.shape[0])
         # generate(): left padding gets position 1, then count the tokens
         positions = (attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)

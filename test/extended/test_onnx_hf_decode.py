@@ -43,6 +43,17 @@ from torch.testing._internal.common_utils import (
 )
 from torch.torch_version import TorchVersion
 
+from hf_decode_models import (  # next to this file (on sys.path under pytest and python)
+    BOS,
+    build,
+    cache_argument,
+    EOS,
+    MODELS,
+    NEW_TOKENS,
+    PAD,
+    VOCAB,
+)
+
 
 _MISSING = [
     name
@@ -60,57 +71,13 @@ HAS_OPTIMUM = (
 )
 HAS_GENAI = importlib.util.find_spec("onnxruntime_genai") is not None
 
-MODELS = ("llama", "gpt2")
-VOCAB = 128
-PAD, BOS, EOS = 0, 1, 2
-NEW_TOKENS = 10
-
-
-def _build(name: str) -> Any:
-    """A tiny model with random weights, larger than the default so greedy varies."""
-    torch.manual_seed(0)
-    if name == "llama":
-        config = transformers.LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=256,
-            initializer_range=0.2,
-            pad_token_id=PAD,
-            bos_token_id=BOS,
-            eos_token_id=EOS,
-        )
-        return transformers.LlamaForCausalLM(config).eval()
-    config = transformers.GPT2Config(
-        vocab_size=VOCAB,
-        n_embd=64,
-        n_layer=2,
-        n_head=4,
-        n_positions=256,
-        initializer_range=0.2,
-        pad_token_id=PAD,
-        bos_token_id=BOS,
-        eos_token_id=EOS,
-    )
-    return transformers.GPT2LMHeadModel(config).eval()
-
-
-def _cache_name(model: Any) -> str:
-    """The cache argument: ``cache`` in recent transformers 5.x, else ``past_key_values``."""
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
 def _step_inputs(model: Any) -> dict[str, Any]:
     """Decode-step inputs: 2 new tokens after a past of 3, in ``forward``'s order.
 
     The exporter gives ``dynamic_shapes`` axis names to the graph inputs in that
     order, and GPT-2 takes its cache before the mask.
     """
-    cache_name = _cache_name(model)
+    cache_name = cache_argument(model)
     with torch.no_grad():
         past = model(input_ids=torch.randint(3, VOCAB, (2, 3)), use_cache=True)
     inputs = {
@@ -132,7 +99,7 @@ def _export(model: Any) -> Any:
     shapes[inputs["position_ids"]] = {0: batch, 1: seq}
     # past + seq, which export derives
     shapes[inputs["attention_mask"]] = {0: batch, 1: torch.export.Dim.AUTO}
-    for tensor in pytree.tree_leaves(inputs[_cache_name(model)]):
+    for tensor in pytree.tree_leaves(inputs[cache_argument(model)]):
         shapes[tensor] = {0: batch, 2: past}
     with torch.no_grad():
         return torch.onnx.export(
@@ -223,7 +190,7 @@ class _DecodeTestCase(TestCase):
     def export(self, name: str) -> tuple[Any, Any]:
         """The eager model and its exported decode step."""
         if name not in self._exported:
-            model = _build(name)
+            model = build(name)
             self._exported[name] = (model, _export(model))
         return self._exported[name]
 
@@ -246,7 +213,7 @@ class TestDecodeStepNames(_DecodeTestCase):
         model, onnx_program = self.export(name)
         graph = onnx_program.model.graph
         cache = [
-            f"{_cache_name(model)}.layers.{i}.{kind}"
+            f"{cache_argument(model)}.layers.{i}.{kind}"
             for i in range(2)
             for kind in ("keys", "values")
         ]
@@ -294,7 +261,7 @@ class TestONNXRuntimeGenAI(_DecodeTestCase):
 
         model, path = self.save(name)
         (path / "genai_config.json").write_text(
-            json.dumps(_genai_config(model, _cache_name(model)), indent=2)
+            json.dumps(_genai_config(model, cache_argument(model)), indent=2)
         )
         genai_model = og.Model(str(path))
         prompt, batch, mask = _prompts()
