@@ -130,8 +130,9 @@ def dev_export(dev_dir: Optional[os.PathLike] = None, *, patches_dir: Optional[o
     earlier = list(RELEASE_LINES)[:list(RELEASE_LINES).index(out.name)] if out.name in RELEASE_LINES else []
     # A patch that is the same change as a file of an earlier line is that file (its number may differ: a line
     # can lack a patch whose change its release already has)
-    shared = [(line, f) for line in earlier for f in sorted((out.parent / line).glob("*.patch"))]
-    entries = {name: next((f"../{line}/{f.name}" for line, f in shared if same_change(f.read_bytes(), data)), name)
+    shared = {f"../{line}/{f.name}": f.read_bytes()
+              for line in earlier for f in sorted((out.parent / line).glob("*.patch"))}
+    entries = {name: next((entry for entry, old in shared.items() if same_change(old, data)), name)
                for name, data in new.items()}
     out.mkdir(parents=True, exist_ok=True)
     written = [name for name, data in new.items() if entries[name] == name and _read(out / name) != data]
