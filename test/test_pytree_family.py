@@ -9,6 +9,7 @@ precedence. See ``torch.utils._pytree.register_pytree_family``.
 
 import dataclasses
 import gc
+import re
 import subprocess
 import sys
 import textwrap
@@ -16,7 +17,8 @@ import types
 import unittest
 import warnings
 import weakref
-from collections import defaultdict, namedtuple, OrderedDict
+from collections import defaultdict, namedtuple, OrderedDict, UserDict
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -93,6 +95,30 @@ class PlainDictBase(dict):
 
 class PlainDictChild(PlainDictBase):
     pass
+
+
+class UserDictBase(UserDict):
+    pass
+
+
+class UserDictChild(UserDictBase):
+    pass
+
+
+class ReadOnlyMapping(Mapping):
+    """A mapping that is neither a dict nor a UserDict, built from pairs."""
+
+    def __init__(self, pairs: Any = ()) -> None:
+        self._data = dict(pairs)
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._data[key]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
 
 
 class FamilyTestCase(TestCase):
@@ -334,8 +360,8 @@ class TestPytreeFamilyResolution(FamilyTestCase):
                 with self.assertRaisesRegex(
                     TypeError,
                     rf"Cannot flatten .*{type(obj).__qualname__} \(a member of the "
-                    r"pytree family .*Output\): it is neither a dataclass nor a dict "
-                    r"subclass\. Register it with register_pytree_node",
+                    r"pytree family .*Output\): it is neither a dataclass nor a "
+                    r"mapping\. Register it with register_pytree_node",
                 ):
                     pytree.tree_flatten([obj])
 
@@ -527,6 +553,80 @@ TreeSpec(EncoderOutput, ['last_hidden_state', 'attentions'], [*,
         )
         for path, leaf in path_leaves:
             self.assertIs(py_pytree.key_get(out, path), leaf)
+
+    @pytree_impls
+    def test_user_dict_round_trip(self, pytree: Any) -> None:
+        self.register_family(UserDictBase)
+
+        class Late(UserDictChild):  # defined after the registration
+            pass
+
+        t = torch.ones(2)
+        for obj in (
+            UserDictBase({"a": t, "b": [1, 2]}),
+            UserDictChild({2: t, "b": (None,)}),
+            Late(a=t, b={"c": 1}),
+        ):
+            leaves, spec = pytree.tree_flatten(obj)
+            self.assertIs(leaves[0], t)
+            self.assertFalse(pytree.tree_is_leaf(obj))
+            rebuilt = pytree.tree_unflatten(leaves, spec)
+            self.assertIs(type(rebuilt), type(obj))
+            self.assertEqual(list(rebuilt.items()), list(obj.items()))
+            mapped = pytree.tree_map(lambda v: v * 2 if v is t else v, obj)
+            self.assertIs(type(mapped), type(obj))
+            self.assertEqual(mapped[next(iter(obj))], t * 2)
+
+    @pytree_impls
+    def test_read_only_mapping_round_trip(self, pytree: Any) -> None:
+        # any collections.abc.Mapping, not only dict and UserDict subclasses
+        self.register_family(ReadOnlyMapping)
+        obj = ReadOnlyMapping([("x", 1), ("y", [2, 3])])
+        leaves, spec = pytree.tree_flatten(obj)
+        self.assertEqual(leaves, [1, 2, 3])
+        rebuilt = pytree.tree_unflatten([4, 5, 6], spec)
+        self.assertIs(type(rebuilt), ReadOnlyMapping)
+        self.assertEqual(dict(rebuilt), {"x": 4, "y": [5, 6]})
+
+    def test_user_dict_key_paths(self) -> None:
+        self.register_family(UserDictBase)
+        obj = UserDictChild({"ids": torch.ones(1), 3: (torch.zeros(1),)})
+        path_leaves, _ = py_pytree.tree_flatten_with_path(obj)
+        self.assertEqual(
+            [path for path, _ in path_leaves],
+            [
+                (py_pytree.MappingKey("ids"),),
+                (py_pytree.MappingKey(3), py_pytree.SequenceKey(0)),
+            ],
+        )
+        self.assertEqual(
+            [py_pytree.keystr(path) for path, _ in path_leaves], ["['ids']", "[3][0]"]
+        )
+        for path, leaf in path_leaves:
+            self.assertIs(py_pytree.key_get(obj, path), leaf)
+
+    @pytree_impls
+    def test_user_dict_unrebuildable_raises(self, pytree: Any) -> None:
+        class Stubborn(UserDictBase):
+            def __init__(self, required: int) -> None:
+                super().__init__(value=required)
+
+        class Wrapping(UserDictBase):
+            # takes pairs and keywords but wraps every value: rebuilding would
+            # silently give other items
+            def __init__(self, data: Any = (), **kwargs: Any) -> None:
+                super().__init__({k: [v] for k, v in dict(data, **kwargs).items()})
+
+        self.register_family(UserDictBase)
+        for obj, keys in ((Stubborn(3), "['value']"), (Wrapping(a=1), "['a']")):
+            leaves, spec = pytree.tree_flatten(obj)
+            with self.assertRaisesRegex(
+                TypeError,
+                rf"Cannot rebuild .*{type(obj).__name__} \(a member of the pytree "
+                rf"family .*UserDictBase\): its constructor takes the keys "
+                rf"{re.escape(keys)} neither as keywords nor in pairs",
+            ):
+                pytree.tree_unflatten(leaves, spec)
 
 
 class TestPytreeFamilyDataclass(FamilyTestCase):

@@ -50,7 +50,12 @@ class TestPytreeHF(TestCase):
             """
             import json, sys
             import torch.utils._pytree as pytree
-            names = ("transformers.utils.generic:ModelOutput", "diffusers.utils.outputs:BaseOutput")
+            names = (
+                "transformers.utils.generic:ModelOutput",
+                "transformers.tokenization_utils_base:BatchEncoding",
+                "transformers.feature_extraction_utils:BatchFeature",
+                "diffusers.utils.outputs:BaseOutput",
+            )
             registered = []
             for name in names:
                 try:
@@ -61,7 +66,7 @@ class TestPytreeHF(TestCase):
             print(json.dumps({"registered": registered, "leaked": leaked}))
             """
         )
-        self.assertEqual(result, {"registered": [True, True], "leaked": []})
+        self.assertEqual(result, {"registered": [True] * 4, "leaked": []})
 
     @unittest.skipIf(not HAS_TRANSFORMERS, "transformers is not installed")
     @parametrize("pytree", pytree_modules)
@@ -99,6 +104,55 @@ class TestPytreeHF(TestCase):
         self.assertEqual(
             result, ["transformers.modeling_outputs", "BaseModelOutputWithPast"]
         )
+
+    @unittest.skipIf(not HAS_TRANSFORMERS, "transformers is not installed")
+    @parametrize("pytree", pytree_modules)
+    def test_batch_encoding_and_feature(self, pytree: Any) -> None:
+        # UserDicts (mappings, not dicts) of the tokenizers and processors
+        import transformers.image_processing_base as image_processing_base
+        from transformers import BatchEncoding, BatchFeature
+
+        classes = [BatchEncoding, BatchFeature]
+        # a BatchFeature subclass in the transformers versions that have it
+        image_batch = getattr(image_processing_base, "BatchFeature", BatchFeature)
+        if image_batch is not BatchFeature:
+            classes.append(image_batch)
+
+        class MyEncoding(BatchEncoding):  # a user subclass, defined late
+            pass
+
+        ids, mask = torch.ones(2, 3, dtype=torch.long), torch.zeros(2, 3)
+        for cls in [*classes, MyEncoding]:
+            with self.subTest(cls=cls.__qualname__):
+                obj = cls({"input_ids": ids, "extra": [mask, None]})
+                self.assertFalse(pytree.tree_is_leaf(obj))
+                leaves, spec = pytree.tree_flatten(obj)
+                self.assertEqual(len(leaves), 3)
+                self.assertIs(leaves[0], ids)
+                rebuilt = pytree.tree_unflatten(leaves, spec)
+                self.assertIs(type(rebuilt), cls)
+                self.assertEqual(list(rebuilt.keys()), ["input_ids", "extra"])
+                self.assertIs(rebuilt["extra"][0], mask)
+                mapped = pytree.tree_map_only(torch.Tensor, lambda t: t * 2, obj)
+                self.assertIs(type(mapped), cls)
+                self.assertEqual(mapped.input_ids, ids * 2)
+
+    @unittest.skipIf(not HAS_TRANSFORMERS, "transformers is not installed")
+    def test_batch_encoding_and_feature_key_paths(self) -> None:
+        from transformers import BatchEncoding, BatchFeature
+
+        for cls in (BatchEncoding, BatchFeature):
+            obj = cls({"input_ids": torch.ones(1), "pixel_values": (torch.zeros(1),)})
+            pairs, _ = py_pytree.tree_flatten_with_path(obj)
+            self.assertEqual(
+                [path for path, _ in pairs],
+                [
+                    (py_pytree.MappingKey("input_ids"),),
+                    (py_pytree.MappingKey("pixel_values"), py_pytree.SequenceKey(0)),
+                ],
+            )
+            for path, leaf in pairs:
+                self.assertIs(py_pytree.key_get(obj, path), leaf)
 
 
 instantiate_parametrized_tests(TestPytreeHF)

@@ -11,14 +11,17 @@ only torch:
   position too, with single-tensor outputs such as ``UNetOutputLike(sample=...)``.
 * ``CacheLike`` is like a transformers KV cache: a plain base class whose
   ``@dataclass`` subclasses hold lists of per-layer key and value tensors.
+* ``BatchLike`` is like transformers' ``BatchEncoding`` and ``BatchFeature``: a
+  ``UserDict`` (a mapping, not a dict) of tensors.
 
 The families are registered when this module is imported, as a library would
-register its own classes. ``Seq2SeqLMOutputLike`` and ``SlidingWindowCacheLike``
-are defined after the registration: a family covers future subclasses too.
+register its own classes. ``Seq2SeqLMOutputLike``, ``SlidingWindowCacheLike`` and
+``BatchFeatureLike`` are defined after the registration: a family covers future
+subclasses too.
 """
 
 import dataclasses
-from collections import OrderedDict
+from collections import OrderedDict, UserDict
 from typing import Any, ClassVar
 
 import torch
@@ -119,9 +122,14 @@ class DynamicCacheLike(CacheLike):
         return self.keys[0].shape[-2] if self.keys else 0
 
 
+class BatchLike(UserDict):
+    """The base of the tokenizer- and processor-like outputs."""
+
+
 pytree.register_pytree_family(ModelOutputLike)
 pytree.register_pytree_family(BaseOutputLike)
 pytree.register_pytree_family(CacheLike)
+pytree.register_pytree_family(BatchLike)
 
 
 # Defined after their families were registered.
@@ -148,3 +156,7 @@ class SlidingWindowCacheLike(DynamicCacheLike):
         self.keys[layer] = keys[..., -self.window :, :]
         self.values[layer] = values[..., -self.window :, :]
         return keys, values
+
+
+class BatchFeatureLike(BatchLike):
+    pass

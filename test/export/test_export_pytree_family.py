@@ -18,7 +18,7 @@ import sys
 import tempfile
 import textwrap
 import unittest
-from collections import OrderedDict
+from collections import OrderedDict, UserDict
 from typing import Any
 
 import torch
@@ -39,6 +39,8 @@ try:
     from .pytree_family_stand_ins import (
         BaseModelOutputLike,
         BaseOutputLike,
+        BatchFeatureLike,
+        BatchLike,
         CacheLike,
         CausalLMOutputLike,
         DynamicCacheLike,
@@ -51,6 +53,8 @@ except ImportError:
     from pytree_family_stand_ins import (
         BaseModelOutputLike,
         BaseOutputLike,
+        BatchFeatureLike,
+        BatchLike,
         CacheLike,
         CausalLMOutputLike,
         DynamicCacheLike,
@@ -158,6 +162,24 @@ class Seq2SeqDecoder(Decoder):
             past_key_values=out.past_key_values,
             encoder_last_hidden_state=out.logits.sum(-1),
         )
+
+
+class Batcher(torch.nn.Module):
+    """Takes a tokenizer-like batch and returns a processor-like one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, DIM)
+
+    def forward(self, batch: BatchLike) -> BatchFeatureLike:
+        h = self.embed(batch["input_ids"]) * batch["attention_mask"].unsqueeze(-1)
+        return BatchFeatureLike({"hidden": h, "pooled": (h.sum(1),)})
+
+
+def _batch(seed: int = 3) -> BatchLike:
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, VOCAB, (2, 5), generator=g)
+    return BatchLike(input_ids=input_ids, attention_mask=torch.ones_like(input_ids))
 
 
 def _prefill(model: Decoder, cache_cls: type, length: int = 5) -> DynamicCacheLike:
@@ -402,6 +424,60 @@ class TestExportPytreeFamily(TestCase):
                     leaves = torch.load(os.path.join(tmp, f"{name}.out"))
                     self.assertSameTree(py_pytree.tree_unflatten(leaves, spec), want)
 
+    @parametrize_strict
+    def test_export_user_dict_family(self, strict: bool) -> None:
+        mod, batch = Batcher(), _batch()
+        ep = _export(mod, (batch,), strict)
+        self.assertEqual(
+            _spec_types(ep.call_spec.in_spec), [tuple, tuple, BatchLike, dict]
+        )
+        self.assertEqual(_spec_types(ep.call_spec.out_spec), [BatchFeatureLike, tuple])
+        self.assertEqual(len(ep.graph_signature.user_inputs), 2)
+        for b in (batch, _batch(seed=4)):
+            actual = ep.module()(b)
+            self.assertIs(type(actual), BatchFeatureLike)
+            self.assertEqual(list(actual.keys()), ["hidden", "pooled"])
+            self.assertSameTree(actual, mod(b))
+
+    def test_save_load_user_dict_fresh_process(self) -> None:
+        mod, batch = Batcher(), _batch()
+        expected = mod(batch)
+        cases = ("batch_strict", "batch_nonstrict")
+        with tempfile.TemporaryDirectory() as tmp:
+            for name in cases:
+                ep = _export(mod, (batch,), name == "batch_strict")
+                torch.export.save(ep, os.path.join(tmp, f"{name}.pt2"))
+                inputs_path = os.path.join(tmp, f"{name}.in")
+                torch.save(py_pytree.tree_leaves(batch), inputs_path)
+            result, _ = _run_python(_LOAD, tmp, STAND_INS, *cases)
+            for name in cases:
+                with self.subTest(case=name):
+                    got = result["cases"][name]
+                    self.assertEqual(got["type"], _type_name(BatchFeatureLike))
+                    self.assertEqual(got["keys"], ["hidden", "pooled"])
+                    spec = py_pytree.treespec_loads(got["spec"])
+                    self.assertEqual(spec, py_pytree.tree_structure(expected))
+                    leaves = torch.load(os.path.join(tmp, f"{name}.out"))
+                    actual = py_pytree.tree_unflatten(leaves, spec)
+                    self.assertSameTree(actual, expected)
+
+    def test_unregistered_user_dict_output_hint(self) -> None:
+        class UnregisteredBatch(UserDict):
+            pass
+
+        class Returns(torch.nn.Module):
+            def forward(self, x: torch.Tensor) -> UnregisteredBatch:
+                return UnregisteredBatch(y=x + 1)
+
+        self.assertTrue(py_pytree.tree_is_leaf(UnregisteredBatch(y=1)))
+        with self.assertRaisesRegex(
+            RuntimeError,
+            r"Found .*UnregisteredBatch'> in output, which is not a known type\. "
+            r".* A dataclass or a mapping and its subclasses can be registered with "
+            r"torch\.utils\._pytree\.register_pytree_family\(<base class>\)\.",
+        ):
+            torch.export.export(Returns(), (torch.ones(2),), strict=False)
+
     def test_load_without_registration_fails(self) -> None:
         ep = _export(Encoder(), (torch.randn(2, 3, DIM),), False)
         with tempfile.TemporaryDirectory() as tmp:
@@ -575,7 +651,7 @@ CausalLMOutputLike ["logits", "past_key_values"]
             def forward(self, x: torch.Tensor) -> Any:
                 return self.make(x)
 
-        # what stock PyTorch says, and for a dataclass or a dict subclass (not for
+        # what stock PyTorch says, and for a dataclass or a mapping (not for
         # other classes) how to register it with its family
         message = (
             "Encountered unrecognized type"
