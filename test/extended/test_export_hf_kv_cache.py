@@ -454,6 +454,23 @@ class TestExportHFKVCache(TestCase):
     def test_decode_step_takes_its_cache(self, case, strict):
         self._check_case(case, strict)
 
+    @unittest.skipIf(not HAS_CACHE_LAYERS, "needs transformers >= 4.56 cache layers")
+    @parametrize("strict", [True, False])
+    @parametrize("case", list(CACHE_CASES))
+    def test_decode_step_with_auto_cache(self, case, strict):
+        # one Dim.AUTO for the whole cache: its counters and lengths vary unless
+        # the model specializes them
+        step, state = _build_case(case)
+        tokens = self._tokens()
+        dynamic_shapes = (
+            None,
+            *[None if isinstance(s, torch.Tensor) else Dim.AUTO for s in state],
+        )
+        ep = _export(step, tokens[0], state, dynamic_shapes, strict)
+        if case not in FULLY_STATIC_CASES:
+            self.assertTrue(ep.range_constraints)
+        _run_steps(self, ep.module(), step, state, tokens[1:])
+
     @unittest.skipIf(not HAS_TUPLE_CACHE, "needs transformers without cache_utils")
     @parametrize("strict", [True, False])
     @parametrize("case", TUPLE_CASES)
@@ -507,7 +524,12 @@ class TestExportHFKVCache(TestCase):
         tokens = self._tokens(2)
         ep = _export(step, tokens[0], state, None, strict=False)
         _, cache = ep.module()(tokens[0], *copy.deepcopy(state))
-        with self.assertRaisesRegex(Exception, "cumulative_length"):
+        # the guard names the counter and the fix
+        with self.assertRaisesRegex(
+            AssertionError,
+            r"Guard failed: cache\.layers\[0\]\.cumulative_length == 6 "
+            r"\(.*dynamic_shapes, e\.g\. Dim\.AUTO",
+        ):
             ep.module()(tokens[1], cache)
 
     @unittest.skipIf(not HAS_CACHE_LAYERS, "needs transformers >= 4.56 cache layers")

@@ -55,6 +55,12 @@ HAS_SELF_REGISTRATION = HAS_TRANSFORMERS and hasattr(
     transformers.utils.generic, "_model_output_flatten"
 )
 
+# transformers 5.x: MoE experts call torch.ops.transformers.grouped_mm_fallback
+HAS_MOE_INTEGRATION = (
+    HAS_TRANSFORMERS
+    and importlib.util.find_spec("transformers.integrations.moe") is not None
+)
+
 # every test class needs transformers; the module still imports without it
 requires_transformers = unittest.skipIf(
     not HAS_TRANSFORMERS, "transformers is not installed"
@@ -337,6 +343,215 @@ def check_save_load_fresh_process(test: TestCase, mod, args) -> None:
         test.assertEqual(a, e, atol=1e-5, rtol=1e-5)
 
 
+# Tiny mixture-of-experts models: (config class, model class, config arguments
+# over _MOE_COMMON). Exported, transformers 5.x runs their experts through the
+# custom op torch.ops.transformers.grouped_mm_fallback, which
+# transformers.integrations.moe registers when a modeling module imports it.
+# Eager on CPU runs torch's grouped_mm, which needs strides of 16 bytes: expert
+# sizes are multiples of 4.
+_MOE_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=36,
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+_MOE_MODELS = {
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        dict(num_local_experts=4, num_experts_per_tok=2),
+    ),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=16,
+        ),
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
+    ),
+    "olmoe": (
+        "OlmoeConfig",
+        "OlmoeForCausalLM",
+        dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            pad_token_id=0,
+            bos_token_id=VOCAB - 1,
+            eos_token_id=VOCAB - 1,
+        ),
+    ),
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        dict(
+            num_key_value_heads=4,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            moe_intermediate_size=16,
+            n_group=1,
+            topk_group=1,
+            first_k_dense_replace=0,
+            q_lora_rank=16,
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=8,
+            head_dim=8,
+        ),
+    ),
+}
+
+
+def check_moe_load_fresh_process(test: TestCase, name: str) -> None:
+    """A tiny MoE model ``name`` exported with ``use_cache=False`` and saved loads
+    in a fresh process that only imported torch and transformers, and returns
+    eager's logits. Skips when the program calls no op of transformers."""
+    config_cls, model_cls, kwargs = _MOE_MODELS[name]
+    if not hasattr(transformers, model_cls):
+        test.skipTest(f"transformers {transformers.__version__} has no {model_cls}")
+    torch.manual_seed(0)
+    config = getattr(transformers, config_cls)(**{**_MOE_COMMON, **kwargs})
+    model = getattr(transformers, model_cls)(config).eval()
+    input_ids = torch.randint(0, VOCAB, (2, 7))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = model(input_ids, use_cache=False)
+        ep = torch.export.export(model, (input_ids,), {"use_cache": False})
+    ops = {
+        str(n.target)
+        for n in ep.graph.nodes
+        if n.op == "call_function" and str(n.target).startswith("transformers.")
+    }
+    if not ops:
+        test.skipTest(f"{model_cls} calls no op of transformers in this version")
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = [os.path.join(tmp, f) for f in ("model.pt2", "ids.pt", "logits.pt")]
+        torch.export.save(ep, paths[0])
+        torch.save(input_ids, paths[1])
+        result = run_python(
+            """
+            import json, sys
+            import torch, transformers
+
+            before = sorted(m for m in sys.modules if ".moe" in m or "modeling_" in m)
+            ep = torch.export.load(sys.argv[1])
+            out = ep.module()(torch.load(sys.argv[2]), use_cache=False)
+            torch.save(out.logits, sys.argv[3])
+            print(json.dumps({
+                "before": before,
+                "moe_imported": "transformers.integrations.moe" in sys.modules,
+                "type": f"{type(out).__module__}.{type(out).__qualname__}",
+            }))
+            """,
+            *paths,
+        )
+        logits = torch.load(paths[2])
+    test.assertEqual(result["before"], [])  # the load imported them
+    test.assertTrue(result["moe_imported"])
+    test.assertEqual(
+        result["type"], f"{type(expected).__module__}.{type(expected).__qualname__}"
+    )
+    test.assertEqual(logits, expected.logits, atol=1e-5, rtol=1e-5)
+
+
+class _EncodingToFeature(torch.nn.Module):
+    """Takes a tokenizer's ``BatchEncoding``, returns a processor's ``BatchFeature``."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, 8)
+
+    def forward(self, batch):
+        h = self.embed(batch.input_ids) * batch["attention_mask"].unsqueeze(-1)
+        return transformers.BatchFeature({"hidden": h, "pooled": (h.mean(1),)})
+
+
+class _CallWithBatch(torch.nn.Module):
+    """Calls ``model(**batch)``: the ``BatchEncoding`` is the exported input."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch):
+        return self.model(**batch)
+
+
+def _batch_encoding(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(1, VOCAB, (2, 7), generator=g)
+    attention_mask = torch.ones(2, 7, dtype=torch.long)
+    attention_mask[1, 5:] = 0
+    return transformers.BatchEncoding(
+        {"input_ids": input_ids, "attention_mask": attention_mask}
+    )
+
+
+def _batch_modules():
+    torch.manual_seed(0)
+    bert, _ = _bert()
+    return {
+        "encoding_to_feature": _EncodingToFeature().eval(),
+        "bert": _CallWithBatch(bert.model),
+    }
+
+
+def _type_name(cls):
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def assert_same_mapping_output(test: TestCase, expected, actual) -> None:
+    """``actual`` is of ``expected``'s class, with the same keys, spec and leaves."""
+    test.assertIs(type(actual), type(expected))
+    test.assertEqual(list(actual.keys()), list(expected.keys()))
+    expected_leaves, expected_spec = py_pytree.tree_flatten(expected)
+    actual_leaves, actual_spec = py_pytree.tree_flatten(actual)
+    test.assertEqual(actual_spec, expected_spec)
+    test.assertEqual(len(actual_leaves), len(expected_leaves))
+    for a, e in zip(actual_leaves, expected_leaves):
+        test.assertIsInstance(a, torch.Tensor)
+        test.assertEqual(a, e, atol=1e-5, rtol=1e-5)
+
+
+_LOAD_BATCH = """
+import json, sys
+import torch, transformers
+import torch.utils._pytree as pytree
+
+# transformers imports these lazily: loading the program must import them
+lazy = (
+    "transformers.tokenization_utils_base",
+    "transformers.feature_extraction_utils",
+    "transformers.modeling_outputs",
+)
+imported_before_load = [m for m in lazy if m in sys.modules]
+results = []
+for path in sys.argv[2:]:
+    ep = torch.export.load(path)
+    args, kwargs = pytree.tree_unflatten(torch.load(sys.argv[1]), ep.call_spec.in_spec)
+    out = ep.module()(*args, **kwargs)
+    leaves, spec = pytree.tree_flatten(out)
+    torch.save(leaves, path + ".out")
+    results.append({
+        "input": f"{type(args[0]).__module__}.{type(args[0]).__qualname__}",
+        "type": f"{type(out).__module__}.{type(out).__qualname__}",
+        "keys": list(out.keys()),
+        "spec": pytree.treespec_dumps(spec),
+    })
+print(json.dumps({"imported_before_load": imported_before_load, "results": results}))
+"""
+
+
 @requires_transformers
 class TestExportHFModelOutput(TestCase):
     def setUp(self):
@@ -354,6 +569,75 @@ class TestExportHFModelOutput(TestCase):
     @parametrize("model_name", list(MODELS))
     def test_save_load_fresh_process(self, model_name):
         check_save_load_fresh_process(self, *_build(model_name))
+
+    @unittest.skipIf(
+        not HAS_MOE_INTEGRATION, "transformers has no transformers.integrations.moe"
+    )
+    def test_moe_custom_op_load_fresh_process(self):
+        # the op of the experts is registered by a module that the modeling
+        # module imports: loading imports it, through ModelOutput's family
+        for name in _MOE_MODELS:
+            with self.subTest(model=name):
+                check_moe_load_fresh_process(self, name)
+
+    @parametrize(
+        "strict", [subtest(True, name="strict"), subtest(False, name="nonstrict")]
+    )
+    @parametrize("module_name", ["encoding_to_feature", "bert"])
+    def test_batch_encoding_input(self, module_name, strict):
+        mod = _batch_modules()[module_name]
+        batch = _batch_encoding()
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ep = torch.export.export(mod, (batch,), strict=strict)
+            in_spec = ep.call_spec.in_spec.child(0).child(0)
+            self.assertIs(in_spec.type, transformers.BatchEncoding)
+            self.assertEqual(in_spec.context, ["input_ids", "attention_mask"])
+            for b in (batch, _batch_encoding(seed=1)):
+                assert_same_mapping_output(self, mod(b), ep.module()(b))
+        if module_name == "encoding_to_feature":
+            self.assertIs(ep.call_spec.out_spec.type, transformers.BatchFeature)
+
+    def test_batch_encoding_save_load_fresh_process(self):
+        from transformers.modeling_outputs import (
+            BaseModelOutputWithPoolingAndCrossAttentions,
+        )
+
+        # exported strict and non-strict, loaded in a process that imported only
+        # torch and transformers
+        batch = _batch_encoding()
+        expected, paths = [], []
+        with tempfile.TemporaryDirectory() as tmp:
+            for name, mod in _batch_modules().items():
+                for strict in (True, False):
+                    with torch.no_grad(), warnings.catch_warnings():
+                        warnings.simplefilter("ignore")
+                        ep = torch.export.export(mod, (batch,), strict=strict)
+                        expected.append(mod(batch))
+                    paths.append(os.path.join(tmp, f"{name}_{strict}.pt2"))
+                    torch.export.save(ep, paths[-1])
+            inputs_path = os.path.join(tmp, "inputs.pt")
+            torch.save(py_pytree.tree_leaves(((batch,), {})), inputs_path)
+            result = run_python(_LOAD_BATCH, inputs_path, *paths)
+            self.assertEqual(result["imported_before_load"], [])
+            self.assertEqual(len(result["results"]), len(paths))
+            for path, want, got in zip(paths, expected, result["results"]):
+                with self.subTest(program=os.path.basename(path)):
+                    encoding = _type_name(transformers.BatchEncoding)
+                    self.assertEqual(got["input"], encoding)
+                    self.assertEqual(got["type"], _type_name(type(want)))
+                    self.assertEqual(got["keys"], list(want.keys()))
+                    spec = py_pytree.treespec_loads(got["spec"])
+                    leaves = torch.load(path + ".out")
+                    actual = py_pytree.tree_unflatten(leaves, spec)
+                    assert_same_mapping_output(self, want, actual)
+        self.assertEqual(
+            [r["type"] for r in result["results"]][::2],
+            [
+                _type_name(transformers.BatchFeature),
+                _type_name(BaseModelOutputWithPoolingAndCrossAttentions),
+            ],
+        )
 
     @parametrize("pytree", pytree_params)
     def test_model_output_round_trip(self, pytree):
