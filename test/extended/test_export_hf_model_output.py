@@ -264,10 +264,20 @@ MODES = {
 }
 
 
+def _type_name(cls):
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
 def assert_same_model_output(test: TestCase, expected, actual) -> None:
     """``actual`` is a ModelOutput of ``expected``'s class, with the same keys,
     the same spec and the same tensor leaves (nested caches flattened too)."""
     test.assertIsInstance(expected, ModelOutput)
+    assert_same_mapping_output(test, expected, actual)
+
+
+def assert_same_mapping_output(test: TestCase, expected, actual) -> None:
+    """``actual`` is of ``expected``'s class (a mapping), with the same keys, the
+    same spec and the same tensor leaves."""
     test.assertIs(type(actual), type(expected))
     test.assertEqual(list(actual.keys()), list(expected.keys()))
     expected_leaves, expected_spec = py_pytree.tree_flatten(expected)
@@ -333,9 +343,7 @@ def check_save_load_fresh_process(test: TestCase, mod, args) -> None:
             leaves_path,
         )
         leaves = torch.load(leaves_path)
-    test.assertEqual(
-        result["type"], f"{type(expected).__module__}.{type(expected).__qualname__}"
-    )
+    test.assertEqual(result["type"], _type_name(type(expected)))
     test.assertEqual(result["keys"], list(expected.keys()))
     test.assertEqual(py_pytree.treespec_loads(result["spec"]), expected_spec)
     test.assertEqual(len(leaves), len(expected_leaves))
@@ -458,9 +466,7 @@ def check_moe_load_fresh_process(test: TestCase, name: str) -> None:
         logits = torch.load(paths[2])
     test.assertEqual(result["before"], [])  # the load imported them
     test.assertTrue(result["moe_imported"])
-    test.assertEqual(
-        result["type"], f"{type(expected).__module__}.{type(expected).__qualname__}"
-    )
+    test.assertEqual(result["type"], _type_name(type(expected)))
     test.assertEqual(logits, expected.logits, atol=1e-5, rtol=1e-5)
 
 
@@ -504,23 +510,6 @@ def _batch_modules():
         "encoding_to_feature": _EncodingToFeature().eval(),
         "bert": _CallWithBatch(bert.model),
     }
-
-
-def _type_name(cls):
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def assert_same_mapping_output(test: TestCase, expected, actual) -> None:
-    """``actual`` is of ``expected``'s class, with the same keys, spec and leaves."""
-    test.assertIs(type(actual), type(expected))
-    test.assertEqual(list(actual.keys()), list(expected.keys()))
-    expected_leaves, expected_spec = py_pytree.tree_flatten(expected)
-    actual_leaves, actual_spec = py_pytree.tree_flatten(actual)
-    test.assertEqual(actual_spec, expected_spec)
-    test.assertEqual(len(actual_leaves), len(expected_leaves))
-    for a, e in zip(actual_leaves, expected_leaves):
-        test.assertIsInstance(a, torch.Tensor)
-        test.assertEqual(a, e, atol=1e-5, rtol=1e-5)
 
 
 _LOAD_BATCH = """
