@@ -144,6 +144,7 @@ def tests_hf446(session: nox.Session) -> None:
             "test/extended/test_ddp_model_output.py",
             "test/test_pytree_family.py",
             "test/test_pytree_fast_path.py",
+            "test/extended/test_pytree_hf_import_order.py",
         ),
     )
 
@@ -156,6 +157,7 @@ _DEPLOY_TESTS = (
     "test/extended/test_onnx_hf_decode.py",
     "test/extended/test_export_hf_executorch.py",
     "test/extended/test_onnx_hf_models.py",
+    "test/extended/test_pytree_hf_import_order.py",
 )
 
 
@@ -190,7 +192,6 @@ _DYNAMO_WRAPPED_TESTS = (
     "test/test_pytree_fast_path.py",
     "test/test_pytree_hf_cache.py",
     "test/extended/test_pytree_hypothesis.py",
-    "test/dynamo/test_member_descriptor.py",
 )
 
 

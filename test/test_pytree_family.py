@@ -240,6 +240,66 @@ class TestPytreeFamilyResolution(FamilyTestCase):
                 Special, lambda p: ([], None), lambda v, c: Special(0)
             )
 
+    def test_removing_an_exact_registration_returns_to_the_family(self) -> None:
+        @dataclasses.dataclass
+        class Base:
+            x: Any
+
+        @dataclasses.dataclass
+        class Member(Base):
+            y: Any = None
+
+        self.register_family(Base)
+        for registrar in _PYTREE_MODULES:
+            registrar.register_pytree_node(
+                Member,
+                lambda m: ([m.y], m.x),
+                lambda values, x: Member(x, next(iter(values))),
+                serialized_type_name="test.Member",
+            )
+            for pytree in _PYTREE_MODULES:
+                self.assertEqual(pytree.tree_leaves(Member(1, 2)), [2])
+            py_pytree._deregister_pytree_node(Member)
+            for pytree in _PYTREE_MODULES:
+                leaves, spec = pytree.tree_flatten(Member(1, 2))
+                self.assertEqual(leaves, [1, 2])
+                self.assertEqual(pytree.tree_unflatten(leaves, spec), Member(1, 2))
+            self.assertNotIn("test.Member", py_pytree.SERIALIZED_TYPE_TO_PYTHON_TYPE)
+
+    def test_replacing_a_registration_never_shows_a_leaf(self) -> None:
+        # Flatten at every line that registering and deregistering run: a
+        # member is a node in both pytrees at each of them, with the old
+        # registration or the new one.
+        @dataclasses.dataclass
+        class Base:
+            x: Any
+
+        @dataclasses.dataclass
+        class Member(Base):
+            y: Any = None
+
+        self.register_family(Base)
+        obj = Member(1, 2)
+        files = {py_pytree.__file__, getattr(cxx_pytree, "__file__", None)}
+        seen: set[int] = set()
+
+        def check(frame: Any, event: str, arg: Any) -> Any:
+            if frame.f_code.co_filename in files:
+                for pytree in _PYTREE_MODULES:
+                    seen.add(len(pytree.tree_leaves(obj)))
+            return check
+
+        for registrar in _PYTREE_MODULES:
+            sys.settrace(check)
+            try:
+                registrar.register_pytree_node(
+                    Member, lambda m: ([m.x], m.y), lambda v, y: Member(*v, y)
+                )
+                py_pytree._deregister_pytree_node(Member)
+            finally:
+                sys.settrace(None)
+        self.assertEqual(seen, {1, 2})
+
     def test_exact_registration_before_family_is_kept(self) -> None:
         @dataclasses.dataclass
         class Exact(PointBase):
@@ -272,19 +332,28 @@ class TestPytreeFamilyResolution(FamilyTestCase):
             self.assertEqual(pytree.tree_leaves(out), [1])
 
     def test_namedtuple_rules_unchanged(self) -> None:
-        @dataclasses.dataclass
+        @dataclasses.dataclass(init=False)
         class Base:
             pass
 
         class NT(namedtuple("NT", ["a", "b"])):
             __slots__ = ()
 
+        class FamilyNT(namedtuple("FamilyNT", ["a", "b"]), Base):
+            pass
+
         self.register_family(Base)
         _, spec = py_pytree.tree_flatten(NT(1, 2))
         self.assertIs(spec.type, namedtuple)
         self.assertIs(spec.context, NT)
+        # A namedtuple that is also a family member keeps the namedtuple rule.
+        for pytree in _PYTREE_MODULES:
+            leaves, spec = pytree.tree_flatten(FamilyNT(1, [2]))
+            self.assertEqual(leaves, [1, 2])
+            self.assertEqual(pytree.tree_unflatten([3, 4], spec), FamilyNT(3, [4]))
 
     def test_deregistration_restores_leaves_and_init_subclass(self) -> None:
+        @dataclasses.dataclass
         class Base:
             def __init_subclass__(cls, tag: str = "", **kwargs: Any) -> None:
                 super().__init_subclass__(**kwargs)
@@ -333,37 +402,46 @@ class TestPytreeFamilyResolution(FamilyTestCase):
         self.assertEqual([r for r in refs if r() is not None], [])
         self.assertNotIn("__init_subclass__", Base.__dict__)
 
-    def test_plain_base_with_dataclass_members(self) -> None:
+    def test_plain_base_is_refused_with_the_fix(self) -> None:
         class Output:
             pass
 
-        @dataclasses.dataclass
-        class A(Output):
-            x: Any
-            y: Any = None
+        with self.assertRaisesRegex(
+            TypeError,
+            r"register_pytree_family: .*Output is neither a dataclass nor a mapping; "
+            r"decorate it with @dataclasses.dataclass, or pass flatten_fn and "
+            r"unflatten_fn\.",
+        ):
+            py_pytree.register_pytree_family(Output)
+        self.assertNotIn("__init_subclass__", Output.__dict__)
+        # With functions, any base will do.
+        self.register_family(
+            Output,
+            flatten_fn=lambda o: ([o.x], None),
+            unflatten_fn=lambda cls, values, _: cls(*values),
+        )
 
-        class NotDerivable(Output):
+        class Holder(Output):
             def __init__(self, x: Any) -> None:
                 self.x = x
 
-        self.register_family(Output)
-
-        @dataclasses.dataclass
-        class B(Output):  # defined after the registration
-            z: Any
-
         for pytree in _PYTREE_MODULES:
-            self.assertEqual(pytree.tree_leaves([A(1), B(2)]), [1, 2])
-            leaves, spec = pytree.tree_flatten(A(1, 2))
-            self.assertEqual(pytree.tree_unflatten(leaves, spec), A(1, 2))
-            for obj in (NotDerivable(1), Output()):
-                with self.assertRaisesRegex(
-                    TypeError,
-                    rf"Cannot flatten .*{type(obj).__qualname__} \(a member of the "
-                    r"pytree family .*Output\): it is neither a dataclass nor a "
-                    r"mapping\. Register it with register_pytree_node",
-                ):
-                    pytree.tree_flatten([obj])
+            leaves, spec = pytree.tree_flatten(Holder(1))
+            self.assertEqual(leaves, [1])
+            self.assertEqual(pytree.tree_unflatten([2], spec).x, 2)
+
+    def test_torch_types_are_refused(self) -> None:
+        for base in (torch.Tensor, torch.nn.Module, torch.Size):
+            self.addCleanup(  # a family that is accepted breaks every pytree call
+                lambda b: b in py_pytree._PYTREE_FAMILIES
+                and py_pytree._deregister_pytree_family(b),
+                base,
+            )
+            with self.assertRaisesRegex(
+                ValueError, "is a builtin type or a torch type.*base class of your own"
+            ):
+                py_pytree.register_pytree_family(base)
+        self.assertEqual(py_pytree.tree_leaves(torch.ones(1) + 1), [torch.ones(1) * 2])
 
     def test_metaclass_hooks_are_not_called(self) -> None:
         # Membership follows the MRO and type.__subclasses__, never a
@@ -679,22 +757,24 @@ TreeSpec(Point3, [['x', 'z'], ['y']], [*,
         self.assertIs(type(rebuilt), Child)
         self.assertEqual(rebuilt, Child(a=4, b=[5, 6], c=None))
 
-    def test_init_false_fields_are_recomputed(self) -> None:
+    @pytree_impls
+    def test_init_false_fields_are_refused(self, pytree: Any) -> None:
         @dataclasses.dataclass
         class Base:
             a: Any
             total: Any = dataclasses.field(init=False, default=None)
 
-            def __post_init__(self) -> None:
-                self.total = self.a * 10
-
         self.register_family(Base)
         obj = Base(2)
         obj.total = "set by hand"
-        leaves, spec = py_pytree.tree_flatten(obj)
-        self.assertEqual(leaves, [2])
-        # As dataclasses.replace(obj, a=3): init=False fields come from __post_init__.
-        self.assertEqual(py_pytree.tree_unflatten([3], spec).total, 30)
+        with self.assertRaisesRegex(
+            TypeError,
+            r"Cannot flatten .*Base \(a member of the pytree family .*Base\): its "
+            r"attribute 'total' is not an init field, and would be lost\. Register "
+            r"it with register_pytree_node, or the family with flatten_fn and "
+            r"unflatten_fn\.",
+        ):
+            pytree.tree_flatten(obj)
 
     def test_key_paths(self) -> None:
         self.register_family(PointBase)
@@ -847,8 +927,8 @@ class TestPytreeFamilySpecs(FamilyTestCase):
 class TestPytreeFamilySerialization(FamilyTestCase):
     def test_classes_sharing_a_name_load_as_the_latest(self) -> None:
         # A redefined class (or one made by a factory) shares its module and
-        # qualified name with the earlier one: specs load as the latest, and a
-        # spec of an earlier one cannot be dumped (it would not load back).
+        # qualified name with the earlier one: specs load as the latest, as
+        # they would in another process.
         module = types.ModuleType("redefined_members")
         self.addCleanup(sys.modules.pop, module.__name__, None)
         sys.modules[module.__name__] = module
@@ -869,12 +949,110 @@ class TestPytreeFamilySerialization(FamilyTestCase):
             py_pytree.treespec_loads(py_pytree.treespec_dumps(new_spec)).type, new
         )
         self.assertIs(py_pytree.tree_unflatten([2], old_spec).__class__, old)
-        with self.assertRaisesRegex(ValueError, "would not load back"):
-            py_pytree.treespec_dumps(old_spec)
+        self.assertIs(py_pytree.treespec_loads(dumped).type, new)
         self.assertEqual(py_pytree.treespec_dumps(new_spec), dumped)
 
 
+class TestPytreeFamilyLostState(FamilyTestCase):
+    """A derived flatten carries all of a member's state or refuses, naming it."""
+
+    def assertRefused(self, pytree: Any, obj: Any, reason: str) -> None:
+        with self.assertRaisesRegex(
+            TypeError,
+            rf"Cannot flatten [\w.<>]*{type(obj).__qualname__} \(a member of the "
+            rf"pytree family [\w.<>]+\): {reason}\. Register it with "
+            r"register_pytree_node, or the family with flatten_fn and unflatten_fn\.",
+        ):
+            pytree.tree_flatten([obj])
+
+    @pytree_impls
+    def test_attribute_set_after_construction(self, pytree: Any) -> None:
+        self.register_family(PointBase)
+        obj = Point3(1, 2, 3)
+        obj.note = "kept nowhere"  # type: ignore[attr-defined]
+        self.assertRefused(
+            pytree, obj, "its attribute 'note' is not an init field, and would be lost"
+        )
+        del obj.note  # type: ignore[attr-defined]
+        self.assertEqual(pytree.tree_leaves(obj), [1, 2, 3])
+
+    @pytree_impls
+    def test_mapping_attributes_are_kept(self, pytree: Any) -> None:
+        # As a tokenizer's output keeps its encodings: in the context.
+        self.register_family(UserDictBase)
+        self.register_family(PlainDictBase)
+        for obj in (UserDictChild(a=1), PlainDictChild(a=1)):
+            obj.source = "tokenizer"  # type: ignore[attr-defined]
+            mapped = pytree.tree_map(lambda v: v + 1, obj)
+            self.assertIs(type(mapped), type(obj))
+            self.assertEqual((dict(mapped), mapped.source), ({"a": 2}, "tokenizer"))
+            spec = py_pytree.tree_structure(obj)
+            self.assertEqual(
+                py_pytree.treespec_loads(py_pytree.treespec_dumps(spec)), spec
+            )
+
+    @pytree_impls
+    def test_default_factory(self, pytree: Any) -> None:
+        class Counts(defaultdict):  # type: ignore[type-arg]
+            pass
+
+        self.register_family(Counts)
+        self.assertRefused(
+            pytree, Counts(int, a=1), "its default_factory would be lost"
+        )
+        leaves, spec = pytree.tree_flatten(Counts(None, a=1))
+        self.assertEqual(pytree.tree_unflatten(leaves, spec), {"a": 1})
+
+    @pytree_impls
+    def test_items_that_disagree_with_indexing(self, pytree: Any) -> None:
+        class Hiding(PlainDictBase):
+            def items(self) -> Any:
+                return [(k, v) for k, v in super().items() if not k.startswith("_")]
+
+        class Scaling(PlainDictBase):
+            def items(self) -> Any:
+                return [(k, v * 10) for k, v in super().items()]
+
+        self.register_family(PlainDictBase)
+        for obj in (Hiding(a=1, _b=2), Scaling(a=1)):
+            self.assertRefused(
+                pytree, obj, r"its items\(\) do not hold what indexing it gives"
+            )
+
+    @pytree_impls
+    def test_subclass_with_its_own_init_or_post_init(self, pytree: Any) -> None:
+        self.register_family(PointBase)
+
+        class Tripled(PointBase):  # not decorated: rebuilding would triple x again
+            def __init__(self, x: Any, y: Any = None) -> None:
+                super().__init__(x * 3, y)
+
+        class Checked(PointBase):
+            def __post_init__(self) -> None:
+                self.x = abs(self.x)
+
+        self.assertEqual(Tripled(1).x, 3)
+        self.assertRefused(
+            pytree,
+            Tripled(1),
+            "its __init__ is not the one @dataclass made for its fields",
+        )
+        self.assertRefused(
+            pytree,
+            Checked(1),
+            "its __post_init__ is not the one @dataclass made for its fields",
+        )
+
+        @dataclasses.dataclass
+        class Decorated(Tripled):  # @dataclass made its __init__ again
+            pass
+
+        leaves, spec = pytree.tree_flatten(Decorated(1))
+        self.assertEqual(pytree.tree_unflatten(leaves, spec), Decorated(1))
+
+
 instantiate_parametrized_tests(TestPytreeFamilyResolution)
+instantiate_parametrized_tests(TestPytreeFamilyLostState)
 instantiate_parametrized_tests(TestPytreeFamilyMapping)
 instantiate_parametrized_tests(TestPytreeFamilyDataclass)
 instantiate_parametrized_tests(TestPytreeFamilySpecs)

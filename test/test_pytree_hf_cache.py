@@ -1,6 +1,6 @@
 # Owner(s): ["module: pytree"]
 
-"""Tests for the pytree functions of KV caches (``torch.utils._pytree_hf_cache``).
+"""Tests for the pytree functions of KV caches (in ``torch.utils._pytree_hf``).
 
 They need no transformers: stand-in cache and layer classes, shaped like those
 of transformers, are registered as pytree families with these functions. The
@@ -24,7 +24,7 @@ from torch.testing._internal.common_utils import (
     subtest,
     TestCase,
 )
-from torch.utils import _pytree_hf_cache as hf_cache
+from torch.utils import _pytree_hf as hf
 
 
 if py_pytree._cxx_pytree_dynamo_traceable:
@@ -41,13 +41,7 @@ pytree_impls = parametrize(
     ],
 )
 
-FUNCTIONS = {
-    "flatten_fn": hf_cache.cache_flatten,
-    "unflatten_fn": hf_cache.cache_unflatten,
-    "flatten_with_keys_fn": hf_cache.cache_flatten_with_keys,
-    "to_dumpable_context": hf_cache.cache_to_dumpable_context,
-    "from_dumpable_context": hf_cache.cache_from_dumpable_context,
-}
+FUNCTIONS = hf._CACHE  # the functions of transformers' cache families
 
 
 class Layer:
@@ -111,7 +105,7 @@ class CompressedCache(Cache):
         super().__init__(layers)
         self.linear_cache: list[Any] = []
         self.entry_count = {"compressor": 0}
-        self.settings = {0: (1.5, "mean"), 1: [torch.device("cpu"), torch.int8]}
+        self.settings = [1.5, "mean", {torch.device("cpu")}, [torch.int8, None]]
 
 
 class ModuleCache(torch.nn.Module):
@@ -167,7 +161,7 @@ class TestPytreeHFCache(TestCase):
    ('offloading', False),
    'linear_cache',
    'entry_count',
-   ('settings', {0: (1.5, 'mean'), 1: [device(type='cpu'), torch.int8]}))),
+   ('settings', [1.5, 'mean', {device(type='cpu')}, [torch.int8, None]]))),
  ('list', None),
  ('Layer',
   ('keys', 'values', ('is_initialized', True), ('device', device(type='cpu')))),
@@ -175,14 +169,15 @@ class TestPytreeHFCache(TestCase):
   ('keys',
    'values',
    ('is_initialized', True),
-   ('sliding_window', 3),
+   'sliding_window',
    'cumulative_length',
    ('device', device(type='cpu')))),
  ('StateLayer',
-  (('number_of_states', 1),
+  ('number_of_states',
    'conv_states',
-   ('has_previous_state', {0: True}),
+   'has_previous_state',
    ('dtype', torch.float32))),
+ ('dict', [0]),
  ('dict', [0]),
  ('list', None),
  ('list', None),
@@ -196,8 +191,11 @@ class TestPytreeHFCache(TestCase):
         expected = [
             *(cache.layers[0].keys, cache.layers[0].values),
             *(cache.layers[1].keys, cache.layers[1].values),
+            3,  # sliding_window: an int, as the counters are
             8,  # cumulative_length
+            1,  # number_of_states
             cache.layers[2].conv_states[0],
+            True,  # has_previous_state[0]: a dict is a child
             cache.linear_cache[0],
             1,  # entry_count["compressor"]
         ]
@@ -220,8 +218,11 @@ class TestPytreeHFCache(TestCase):
 .layers[0].values
 .layers[1].keys
 .layers[1].values
+.layers[1].sliding_window
 .layers[1].cumulative_length
+.layers[2].number_of_states
 .layers[2].conv_states[0]
+.layers[2].has_previous_state[0]
 .linear_cache[0]
 .entry_count['compressor']""",
         )
@@ -243,8 +244,8 @@ class TestPytreeHFCache(TestCase):
         self.assertIs(rebuilt.layer_class_to_replicate, Layer)
         self.assertEqual(rebuilt.settings, cache.settings)
         # settings are copied: updating a rebuilt cache leaves the spec alone
-        rebuilt.settings[1].append(None)
-        rebuilt.layers[2].has_previous_state[0] = False
+        rebuilt.settings.append(None)
+        rebuilt.layer_class_to_replicate = None
         self.assertEqual(pytree.tree_structure(self.cache()), spec)
 
     @pytree_impls
@@ -255,7 +256,7 @@ class TestPytreeHFCache(TestCase):
             layer.update(*kv(1))
         cache.entry_count["compressor"] += 1
         self.assertEqual(pytree.tree_structure(cache), spec)
-        self.assertEqual(pytree.tree_leaves(cache)[4], 9)  # cumulative_length
+        self.assertEqual(pytree.tree_leaves(cache)[5], 9)  # cumulative_length
 
     @pytree_impls
     def test_tree_map(self, pytree: Any) -> None:
@@ -276,8 +277,8 @@ class TestPytreeHFCache(TestCase):
             json.dumps(context).replace(__name__, "test"),
             """\
 ["layers", ["layer_class_to_replicate", {"class": "test.Layer"}], ["offloading", false], \
-"linear_cache", "entry_count", ["settings", {"dict": [[0, {"tuple": [1.5, "mean"]}], \
-[1, [{"device": "cpu"}, {"dtype": "int8"}]]]}]]""",
+"linear_cache", "entry_count", ["settings", [1.5, "mean", {"set": [{"device": "cpu"}]}, \
+[{"dtype": "int8"}, null]]]]""",
         )
 
     @pytree_impls
@@ -306,6 +307,21 @@ class TestPytreeHFCache(TestCase):
             pytree.treespec_loads(json.dumps(spec))
         self.assertEqual(set(sys.modules) - modules, set())
 
+    @pytree_impls
+    def test_rules_follow_what_an_attribute_holds(self, pytree: Any) -> None:
+        # Not its name: an int is a child and a string named like a counter is a
+        # setting; a list of strings is a setting, a dict of flags a child.
+        cache = Cache([])
+        cache.step, cache.counter_kind, cache.ready = 3, "seen", {0: True, 1: False}
+        cache.names = ["full_attention", "sliding_attention"]
+        leaves, spec = pytree.tree_flatten(cache)
+        self.assertEqual(leaves, [3, True, False])
+        rebuilt = pytree.tree_unflatten([4, False, True], spec)
+        self.assertEqual((rebuilt.step, rebuilt.counter_kind), (4, "seen"))
+        self.assertEqual(rebuilt.ready, {0: False, 1: True})
+        self.assertEqual(rebuilt.names, cache.names)
+        self.assertIsNot(rebuilt.names, cache.names)
+
     @parametrize(
         "value",
         [
@@ -315,11 +331,19 @@ class TestPytreeHFCache(TestCase):
             subtest(math.nan, name="nan"),
         ],
     )
-    def test_unsupported_value_raises(self, value: Any) -> None:
-        cache = Cache([])
+    def test_other_values_are_children(self, value: Any) -> None:
+        # e.g. the stream of an offloaded cache: a leaf, so that tree_map
+        # returns a cache that has it, and the spec still serializes.
+        cache = Cache([Layer()])
         cache.stream = value
-        with self.assertRaisesRegex(TypeError, r"flatten Cache\.stream: a \w+ is"):
-            py_pytree.tree_flatten(cache)
+        for pytree in [py_pytree] + ([cxx_pytree] if cxx_pytree else []):
+            leaves, spec = pytree.tree_flatten(cache)
+            self.assertIs(leaves[-1], value)
+            mapped = pytree.tree_map(lambda x: x, cache)
+            self.assertIs(mapped.stream, value)
+            self.assertIs(type(mapped.layers[0]), Layer)
+        spec = py_pytree.tree_structure(cache)
+        self.assertEqual(py_pytree.treespec_loads(py_pytree.treespec_dumps(spec)), spec)
 
     @parametrize("strict", [False, True])
     def test_export_decode_step(self, strict: bool) -> None:

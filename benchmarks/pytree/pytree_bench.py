@@ -80,8 +80,9 @@ class Output(OutputBase):
     attentions: Any = None
 
 
+@dataclasses.dataclass
 class CacheBase:
-    """Like transformers' ``Cache``: a plain base class of dataclasses."""
+    """Like transformers' ``Cache``: a base class of dataclasses."""
 
 
 @dataclasses.dataclass

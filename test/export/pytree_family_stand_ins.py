@@ -93,8 +93,9 @@ class UNetOutputLike(BaseOutputLike):
     sample: torch.Tensor | None = None
 
 
+@dataclasses.dataclass
 class CacheLike:
-    """The base of the cache-like classes: a plain class with dataclass members."""
+    """The base of the cache-like classes: a dataclass without fields."""
 
     def get_seq_length(self) -> int:
         raise NotImplementedError

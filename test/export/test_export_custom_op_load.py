@@ -1,11 +1,11 @@
 # Owner(s): ["oncall: export"]
 """torch.export.load of a program that calls a custom op it has not seen registered.
 
-The op is registered by a module that the module of the model's class imports.
-Loading imports that module, found in the node's ``nn_module_stack``, only if it
-lies in the package of an imported pytree family's base. Each test writes a
-package to a temporary directory, exports and saves in one fresh process, and
-loads in another.
+The op ``opspkg::scale`` is registered by a module of the package ``opspkg``
+that the module of the model's class imports. If ``opspkg`` is the package of an
+imported pytree family, loading imports the modules of it whose source defines
+that op, and no other. Each test writes a package to a temporary directory,
+exports and saves in one fresh process, and loads in another.
 """
 
 import json
@@ -118,8 +118,8 @@ def imported():
 before = imported()
 try:
     ep = torch.export.load(os.path.join(sys.argv[1], "model.pt2"))
-except RuntimeError:
-    result = {"loaded": False}
+except Exception as e:
+    result = {"loaded": False, "error": f"{type(e).__name__}: {e}"}
 else:
     x, expected = torch.load(os.path.join(sys.argv[1], "expected.pt"))
     out = ep.module()(x)
@@ -137,9 +137,7 @@ print(json.dumps(result))
 class TestExportCustomOpLoad(TestCase):
     def setUp(self) -> None:
         super().setUp()
-        # a unique op namespace per test: the ops of every test's package
-        # differ, even in one process
-        self.ns = f"opspkg_{self._testMethodName.removeprefix('test_')}"
+        self.ns = PACKAGE  # the op namespace is the package's name
         tmpdir = tempfile.TemporaryDirectory()
         self.addCleanup(tmpdir.cleanup)
         self.root = tmpdir.name
@@ -182,11 +180,22 @@ class TestExportCustomOpLoad(TestCase):
                 result, stderr = self.run_python(_LOAD, mode)
                 self.assertTrue(result["loaded"], stderr[-3000:])
                 self.assertEqual(result["before"], ["opspkg.outputs"])
-                self.assertEqual(
-                    result["after"], ["opspkg.model", "opspkg.ops", "opspkg.outputs"]
-                )
+                # only the module that defines the op, not the model's
+                self.assertEqual(result["after"], ["opspkg.ops", "opspkg.outputs"])
                 self.assertEqual(result["type"], "opspkg.outputs.Output")
                 self.assertTrue(result["equal"])
+
+    def test_a_module_that_raises_is_a_load_error(self) -> None:
+        self.export("family_by_class")
+        with open(os.path.join(self.root, PACKAGE, "broken.py"), "w") as f:
+            f.write('# defines "opspkg::scale" too\nraise SystemExit(2)\n')
+        result, stderr = self.run_python(_LOAD, "family_by_class")
+        self.assertFalse(result["loaded"])
+        self.assertIn(
+            "ImportError: Importing opspkg.broken, which defines the op "
+            "opspkg::scale of the program, failed: SystemExit(2)",
+            stderr,
+        )
 
     def test_load_without_a_family_imports_nothing(self) -> None:
         # Passes on stock PyTorch too: the op stays unresolved.

@@ -1,8 +1,9 @@
 # Owner(s): ["oncall: export"]
 
-"""One ``Dim`` hint (``Dim.AUTO``, ``Dim.DYNAMIC``, ``Dim.STATIC``) as the
-dynamic_shapes of a whole registered pytree class, e.g. a KV cache, and the runtime
-guard message that names that fix for an input exported as a constant."""
+"""The dynamic_shapes of an object of a class registered with pytree, e.g. a KV
+cache: one ``Dim`` hint (``Dim.AUTO``, ``Dim.DYNAMIC``, ``Dim.STATIC``) for all of
+it, or an object of its class that holds the shapes (as ``tree_map`` over the
+input makes one), as well as the shapes of its flattened children."""
 
 import copy
 import dataclasses
@@ -196,6 +197,42 @@ class TestDimHintForPytreeNode(TestCase):
             module(x, counted)
 
     @parametrize("strict", [True, False])
+    def test_a_mirror_of_the_input(self, strict: bool) -> None:
+        # tree_map over the input, as users write dynamic shapes: the same as
+        # the children's shapes, and as Dim.AUTO here.
+        cache = _cache()
+
+        def shape(value: object) -> object:
+            return {0: Dim.AUTO} if isinstance(value, torch.Tensor) else Dim.AUTO
+
+        mirror = pytree.tree_map(shape, cache)
+        children = [[[{0: Dim.AUTO}, Dim.AUTO]] * 2, Dim.AUTO]
+        programs = [
+            export(
+                DecodeStep(),
+                (_x(), copy.deepcopy(cache)),
+                dynamic_shapes={"x": None, "cache": shapes},
+                strict=strict,
+            )
+            for shapes in (mirror, children, Dim.AUTO)
+        ]
+        symbolic = [_symbolic_inputs(ep) for ep in programs]
+        self.assertEqual(symbolic[0], symbolic[1])
+        self.assertEqual(symbolic[0], symbolic[2])
+        self.assertEqual([name for name, sym in symbolic[0].items() if not sym], ["x"])
+        # a mirror without a shape for the counter: that one is static
+        del mirror.steps
+        ep = export(
+            DecodeStep(),
+            (_x(), copy.deepcopy(cache)),
+            dynamic_shapes={"x": None, "cache": mirror},
+            strict=strict,
+        )
+        symbolic = _symbolic_inputs(ep)
+        self.assertNotIn("cache_steps", symbolic)  # a constant of the program
+        self.assertEqual([name for name, sym in symbolic.items() if not sym], ["x"])
+
+    @parametrize("strict", [True, False])
     def test_dynamic_specialized(self, strict: bool) -> None:
         # torch.cat with x (1, 4) makes dim 1 of the keys the constant 4
         with self.assertRaisesRegex(
@@ -211,47 +248,7 @@ class TestDimHintForPytreeNode(TestCase):
             )
 
 
-class TestGuardMessage(TestCase):
-    @parametrize("strict", [True, False])
-    def test_constant_names_the_fix(self, strict: bool) -> None:
-        layer = Layer(torch.randn(3, 4), 3)
-        module = export(LayerStep(), (_x(), layer), strict=strict).module()
-        # the guard, then how to let the input vary
-        hint = r" \(.*dynamic_shapes, e\.g\. Dim\.AUTO, lets it vary\)$"
-        with self.assertRaisesRegex(
-            AssertionError, r"^Guard failed: layer\.keys\.size\(\)\[0\] == 3" + hint
-        ):
-            module(_x(), Layer(torch.randn(4, 4), 3))
-        with self.assertRaisesRegex(
-            AssertionError, r"^Guard failed: layer\.length == 3" + hint
-        ):
-            module(_x(), Layer(torch.randn(3, 4), 4))
-
-    @parametrize("strict", [True, False])
-    def test_range_has_no_hint(self, strict: bool) -> None:
-        class M(torch.nn.Module):
-            def forward(self, x: torch.Tensor, n: int) -> torch.Tensor:
-                return x + n
-
-        module = export(
-            M(),
-            (torch.ones(3), 2),
-            dynamic_shapes={"x": {0: Dim("n", max=8)}, "n": None},
-            strict=strict,
-        ).module()
-        self.assertEqual(module(torch.ones(8), 2), torch.full((8,), 3.0))
-        with self.assertRaises(AssertionError) as cm:
-            module(torch.ones(9), 2)
-        self.assertExpectedInline(
-            str(cm.exception), """Guard failed: x.size()[0] <= 8"""
-        )
-        # in the same program, the unmarked int has the hint
-        with self.assertRaisesRegex(AssertionError, r"n == 2 \(.*e\.g\. Dim\.AUTO"):
-            module(torch.ones(8), 3)
-
-
 instantiate_parametrized_tests(TestDimHintForPytreeNode)
-instantiate_parametrized_tests(TestGuardMessage)
 
 
 if __name__ == "__main__":

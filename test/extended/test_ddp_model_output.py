@@ -92,8 +92,9 @@ class LMOutputLike(OutputLike):
     past_key_values: "CacheLike | None" = None
 
 
+@dataclasses.dataclass
 class CacheLike:
-    """Like a transformers KV cache: a plain base with dataclass members."""
+    """Like a transformers KV cache: a base of dataclasses."""
 
 
 @dataclasses.dataclass

@@ -2,7 +2,7 @@
 """Exported decode steps that take the KV cache they returned, for transformers.
 
 The built-in lazy pytree families for ``transformers.cache_utils:Cache`` and the
-cache layer bases (see ``torch/utils/_pytree_hf_cache.py``) keep per-step state
+cache layer bases (see ``torch/utils/_pytree_hf.py``) keep per-step state
 (tensors, also in dicts and lists, and the counters of sliding-window layers) in the
 leaves and settings in the context, so the spec of a cache is the same after every
 decoding step. Each test builds a tiny random model from a config (nothing is

@@ -38,7 +38,7 @@ class Sub(Base):
     pass
 
 try:
-    import torch.utils._pytree_hf_cache
+    import torch.utils._pytree_hf
     added = "imported"
 except ModuleNotFoundError as e:
     added = str(e)
@@ -70,7 +70,7 @@ def test_stock_loader_imports_the_saved_stock_files():
     saved = RUNNING.root / ".torch-patch" / "saved" / "orig"
     assert modules["torch.utils._pytree"] == str(saved / "torch/utils/_pytree.py")
     assert modules["torch.onnx"] == str(saved / "torch/onnx/__init__.py")
-    assert modules["torch.utils._pytree_hf_cache"] is None  # the series adds it
+    assert modules["torch.utils._pytree_hf"] is None  # the series adds it
     got = probe(modules)
     assert got["has_family"] is False and got["cxx"] is False
     assert got["leaves"] == ["Sub"]  # stock: an unregistered dataclass is a leaf
@@ -78,7 +78,7 @@ def test_stock_loader_imports_the_saved_stock_files():
                             modules["torch.onnx"], "torch.onnx._internal.exporter._core":
                             modules["torch.onnx._internal.exporter._core"]}
     assert got["onnx_path"] == [str(RUNNING.root / "torch" / "onnx")]  # its submodules are the installed ones
-    assert got["added"] == "No module named 'torch.utils._pytree_hf_cache'"
+    assert got["added"] == "No module named 'torch.utils._pytree_hf'"
     for rel, path in st.stock_files.items():  # they are the stock files; nothing was written next to them
         assert not (saved / rel).parent.joinpath("__pycache__").exists(), rel
         assert path == str(saved / rel)
