@@ -720,7 +720,7 @@ _MIDDLE_LINE_TESTS = (
     "test/test_pytree_fast_path.py",
     "test/test_pytree_hf.py",
     "test/test_pytree_hf_cache.py",
-    "test/dynamo",
+    "test/test_pytree_load_imports.py",
     "test/export",
     "test/extended/test_export_hf_kv_cache.py",
     "test/torch_patch",
@@ -729,7 +729,7 @@ _MIDDLE_LINE_TESTS = (
 
 @_session("tests-2.14", needs_gb=9.0)
 def tests_2_14(session: nox.Session) -> None:
-    """torch 2.14.1 and its series: the family, Dynamo, export and tool suites.
+    """torch 2.14.1 and its series: the family, export and tool suites.
 
     A CUDA build, which runs on the CPU (about 4 GB with its nvidia packages); latest
     transformers.

@@ -105,7 +105,7 @@ class CompressedCache(Cache):
         super().__init__(layers)
         self.linear_cache: list[Any] = []
         self.entry_count = {"compressor": 0}
-        self.settings = [1.5, "mean", {torch.device("cpu")}, [torch.int8, None]]
+        self.settings = {0: (1.5, "mean"), 1: [{torch.device("cpu")}, torch.int8]}
 
 
 class ModuleCache(torch.nn.Module):
@@ -161,7 +161,7 @@ class TestPytreeHFCache(TestCase):
    ('offloading', False),
    'linear_cache',
    'entry_count',
-   ('settings', [1.5, 'mean', {device(type='cpu')}, [torch.int8, None]]))),
+   ('settings', {0: (1.5, 'mean'), 1: [{device(type='cpu')}, torch.int8]}))),
  ('list', None),
  ('Layer',
   ('keys', 'values', ('is_initialized', True), ('device', device(type='cpu')))),
@@ -175,9 +175,8 @@ class TestPytreeHFCache(TestCase):
  ('StateLayer',
   ('number_of_states',
    'conv_states',
-   'has_previous_state',
+   ('has_previous_state', {0: True}),
    ('dtype', torch.float32))),
- ('dict', [0]),
  ('dict', [0]),
  ('list', None),
  ('list', None),
@@ -195,7 +194,6 @@ class TestPytreeHFCache(TestCase):
             8,  # cumulative_length
             1,  # number_of_states
             cache.layers[2].conv_states[0],
-            True,  # has_previous_state[0]: a dict is a child
             cache.linear_cache[0],
             1,  # entry_count["compressor"]
         ]
@@ -222,7 +220,6 @@ class TestPytreeHFCache(TestCase):
 .layers[1].cumulative_length
 .layers[2].number_of_states
 .layers[2].conv_states[0]
-.layers[2].has_previous_state[0]
 .linear_cache[0]
 .entry_count['compressor']""",
         )
@@ -244,8 +241,8 @@ class TestPytreeHFCache(TestCase):
         self.assertIs(rebuilt.layer_class_to_replicate, Layer)
         self.assertEqual(rebuilt.settings, cache.settings)
         # settings are copied: updating a rebuilt cache leaves the spec alone
-        rebuilt.settings.append(None)
-        rebuilt.layer_class_to_replicate = None
+        rebuilt.settings[1].append(None)
+        rebuilt.layers[2].has_previous_state[0] = False
         self.assertEqual(pytree.tree_structure(self.cache()), spec)
 
     @pytree_impls
@@ -277,8 +274,8 @@ class TestPytreeHFCache(TestCase):
             json.dumps(context).replace(__name__, "test"),
             """\
 ["layers", ["layer_class_to_replicate", {"class": "test.Layer"}], ["offloading", false], \
-"linear_cache", "entry_count", ["settings", [1.5, "mean", {"set": [{"device": "cpu"}]}, \
-[{"dtype": "int8"}, null]]]]""",
+"linear_cache", "entry_count", ["settings", {"dict": [[0, {"tuple": [1.5, "mean"]}], \
+[1, [{"set": [{"device": "cpu"}]}, {"dtype": "int8"}]]]}]]""",
         )
 
     @pytree_impls
@@ -309,18 +306,19 @@ class TestPytreeHFCache(TestCase):
 
     @pytree_impls
     def test_rules_follow_what_an_attribute_holds(self, pytree: Any) -> None:
-        # Not its name: an int is a child and a string named like a counter is a
-        # setting; a list of strings is a setting, a dict of flags a child.
+        # Not its name: an int is a child, a string named like a counter a
+        # setting, a dict of flags by layer a setting, a dict of counters a child.
         cache = Cache([])
         cache.step, cache.counter_kind, cache.ready = 3, "seen", {0: True, 1: False}
-        cache.names = ["full_attention", "sliding_attention"]
+        cache.counts = {"compressor": 7}
         leaves, spec = pytree.tree_flatten(cache)
-        self.assertEqual(leaves, [3, True, False])
-        rebuilt = pytree.tree_unflatten([4, False, True], spec)
+        self.assertEqual(leaves, [3, 7])
+        rebuilt = pytree.tree_unflatten([4, 8], spec)
         self.assertEqual((rebuilt.step, rebuilt.counter_kind), (4, "seen"))
-        self.assertEqual(rebuilt.ready, {0: False, 1: True})
-        self.assertEqual(rebuilt.names, cache.names)
-        self.assertIsNot(rebuilt.names, cache.names)
+        self.assertEqual(
+            (rebuilt.ready, rebuilt.counts), (cache.ready, {"compressor": 8})
+        )
+        self.assertIsNot(rebuilt.ready, cache.ready)
 
     @parametrize(
         "value",

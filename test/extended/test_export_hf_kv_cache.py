@@ -3,9 +3,9 @@
 
 The built-in lazy pytree families for ``transformers.cache_utils:Cache`` and the
 cache layer bases (see ``torch/utils/_pytree_hf.py``) keep per-step state
-(tensors, also in dicts and lists, and the counters of sliding-window layers) in the
-leaves and settings in the context, so the spec of a cache is the same after every
-decoding step. Each test builds a tiny random model from a config (nothing is
+(tensors, also in dicts and lists, and ints such as the counters of sliding-window
+layers) in the leaves and settings in the context, so the spec of a cache is the
+same after every decoding step. Each test builds a tiny random model from a config (nothing is
 downloaded), exports one decode step (``input_ids`` of length 1 plus the cache, with a
 dynamic cache length), runs several steps feeding back the returned cache and compares
 with eager.
@@ -508,9 +508,10 @@ class TestExportHFKVCache(TestCase):
         step, state = _build_case("gemma2_dynamic_hybrid")
         tokens = self._tokens()
         length = Dim("length", min=2, max=64)
-        # the children of each layer: keys, values, then cumulative_length and
-        # _sliding_window_tensor for the sliding one
-        sliding, full = [None, None, Dim.DYNAMIC, None], [{2: length}, {2: length}]
+        # the children of each layer: keys, values, then sliding_window,
+        # cumulative_length and _sliding_window_tensor for the sliding one
+        sliding = [None, None, None, Dim.DYNAMIC, None]
+        full = [{2: length}, {2: length}]
         dynamic_shapes = {"input_ids": None, "cache": [[sliding, full]]}
         for strict in (True, False):
             with self.subTest(strict=strict):
@@ -574,24 +575,34 @@ class TestExportHFKVCache(TestCase):
             session = onnxruntime.InferenceSession(
                 path, providers=["CPUExecutionProvider"]
             )
+        from torch.onnx._internal.exporter._pytree_io_names import _component
+
+        # by name: the leaves of the cache that are constants of the program
+        # (its sliding_window) are neither inputs nor outputs of the graph
         names = [i.name for i in session.get_inputs()]
+        output_names = [o.name for o in session.get_outputs()]
         cache_leaves, cache_spec = py_pytree.tree_flatten(state[-1])
-        self.assertEqual(len(names), 1 + len(cache_leaves))
+        paths = [".".join(map(_component, path)) for path, _ in
+                 py_pytree.tree_flatten_with_path(state[-1])[0]]
+        self.assertEqual(names, ["input_ids", *(f"cache.{p}" for p in paths
+                                                if f"cache.{p}" in names)])
+        self.assertIn("cache.layers.0.cumulative_length", names)
         expected = _eager_steps(step, state, tokens[1:])
         diffs = []
         for token, (logits, cache) in zip(tokens[1:], expected, strict=True):
-            feed = [token, *cache_leaves]
-            outputs = session.run(
-                None, {n: np.asarray(v) for n, v in zip(names, feed, strict=True)}
+            feed = {"input_ids": token}
+            feed |= {f"cache.{p}": v for p, v in zip(paths, cache_leaves)}
+            results = session.run(
+                None, {n: np.asarray(feed[n]) for n in names}
             )
-            # outputs: logits, then the returned cache's leaves in the same order
-            self.assertEqual(len(outputs), 1 + len(cache_leaves))
+            outputs = dict(zip(output_names, results, strict=True))
             cache_leaves = [
-                torch.from_numpy(o) if isinstance(e, torch.Tensor) else int(o)
-                for o, e in zip(outputs[1:], cache_leaves, strict=True)
+                leaf if (o := outputs.get(f"output.1.{p}")) is None
+                else torch.from_numpy(o) if isinstance(leaf, torch.Tensor) else int(o)
+                for p, leaf in zip(paths, cache_leaves, strict=True)
             ]
             got_cache = py_pytree.tree_unflatten(cache_leaves, cache_spec)
-            got = (torch.from_numpy(outputs[0]), got_cache)
+            got = (torch.from_numpy(outputs["output.0"]), got_cache)
             diffs.append(_max_diff((logits, cache), got))
         self.assertEqual(len(diffs), STEPS)
         self.assertLessEqual(max(diffs), ATOL, diffs)
@@ -749,7 +760,7 @@ class TestHFCacheFamily(TestCase):
         self.assertIn(path, paths)
         leaves, spec = pytree.tree_flatten(cache)
         self.assertEqual(len(leaves), len(paths))
-        self.assertTrue(all(isinstance(t, torch.Tensor) for t in leaves))
+        self.assertTrue(all(isinstance(t, (torch.Tensor, int)) for t in leaves))
         rebuilt = pytree.tree_unflatten(leaves, spec)
         self.assertIs(type(rebuilt), type(cache))
         self.assertEqual(pytree.tree_structure(rebuilt), spec)
@@ -767,7 +778,9 @@ class TestHFCacheFamily(TestCase):
         with torch.no_grad():
             mod.model(input_ids, **{self._cache_key: cache}, use_cache=True)
         leaves, spec = py_pytree.tree_flatten(cache)
-        self.assertTrue(all(isinstance(t, torch.Tensor) for t in leaves))
+        # tensors, and the ints of each layer (max_cache_len, ...)
+        self.assertTrue(all(isinstance(t, (torch.Tensor, int)) for t in leaves))
+        self.assertEqual(sum(isinstance(t, torch.Tensor) for t in leaves), 6)
         rebuilt = py_pytree.tree_unflatten(leaves, spec)
         self.assertIs(type(rebuilt), StaticCache)
         self.assertEqual(int(rebuilt.get_seq_length()), input_ids.shape[1])
@@ -848,7 +861,7 @@ def layer_class(cache, layer):
 
 
 def layer_value(value):
-    return lambda cache, layer: edit_context(layer, "sliding_window", value)
+    return lambda cache, layer: edit_context(layer, "is_initialized", value)
 
 
 def cache_value(cache, layer):

@@ -227,6 +227,64 @@ class TestPytreeFamilyThreads(FamilyTestCase):
         self.assertGreater(min(counts), 10)
 
 
+    def test_member_is_never_a_leaf_while_registrations_churn(self) -> None:
+        # Two threads replace a member's derived registration with an exact one
+        # and back, as fast as they can, with a switch interval of 1 us; six
+        # others flatten it with both pytrees: never a leaf. When the churn
+        # ends, each class is what a sequential run leaves.
+        @dataclasses.dataclass
+        class Base:
+            x: Any
+            y: Any = None
+
+        members = [
+            dataclasses.make_dataclass(f"Churned{i}", [], bases=(Base,))
+            for i in range(2)
+        ]
+        self.register_family(Base)
+        switch = sys.getswitchinterval()
+        self.addCleanup(sys.setswitchinterval, switch)
+        sys.setswitchinterval(1e-6)
+        deadline = time.monotonic() + 2.0
+        errors: list[str] = []
+        flattens = [0] * 6
+
+        def churn(cls: type) -> None:
+            try:
+                while time.monotonic() < deadline:
+                    py_pytree.register_pytree_node(
+                        cls, lambda m: ([m.x, m.y], None), lambda v, _: cls(*v)
+                    )
+                    py_pytree._deregister_pytree_node(cls)
+            except Exception as e:
+                errors.append(f"churn: {type(e).__name__}: {e}")
+
+        def flatten(i: int) -> None:
+            pytree = _PYTREE_MODULES[i % len(_PYTREE_MODULES)]
+            obj = members[i % 2](1, 2)
+            while time.monotonic() < deadline:
+                leaves = pytree.tree_leaves(obj)
+                flattens[i] += 1
+                if leaves != [1, 2]:
+                    errors.append(f"{pytree.__name__}: {leaves}")
+                    return
+
+        threads = [threading.Thread(target=churn, args=(c,)) for c in members]
+        threads += [threading.Thread(target=flatten, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        self.assertFalse(any(t.is_alive() for t in threads), "a thread hangs")
+        self.assertEqual(errors, [])
+        self.assertGreater(min(flattens), 100)
+        for cls in members:  # back in the family, as after a sequential run
+            self.assertIsNotNone(py_pytree._family_of(py_pytree.SUPPORTED_NODES[cls]))
+            for pytree in _PYTREE_MODULES:
+                leaves, spec = pytree.tree_flatten(cls(3, 4))
+                self.assertEqual(pytree.tree_unflatten(leaves, spec), cls(3, 4))
+
+
 class TestPytreeFamilyLazyThreads(FamilyPackageTestCase):
     FILES = {
         **FamilyPackageTestCase.FILES,

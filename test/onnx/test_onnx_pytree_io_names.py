@@ -135,6 +135,16 @@ class TestPytreeIONames(TestCase):
             ["x_1", "state.h_1", "state.c_1"],
         )
 
+    def test_constant_outputs_are_left_out(self) -> None:
+        # A returned pytree may hold constants of the program (e.g. the ints and
+        # flags of a KV cache): they are not values of the ONNX graph.
+        class Model(torch.nn.Module):
+            def forward(self, x: torch.Tensor) -> dict[str, object]:
+                return {"y": x + 1, "window": 4, "updated": {0: True}}
+
+        x = torch.randn(2, 3)
+        self.check(Model(), (x,), None, {"x": x}, ["y"])
+
     def test_positional_nested_input(self) -> None:
         class Model(torch.nn.Module):
             def forward(self, state: dict[str, torch.Tensor], x: torch.Tensor):
