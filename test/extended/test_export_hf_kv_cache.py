@@ -770,6 +770,24 @@ class TestHFCacheFamily(TestCase):
             py_pytree.treespec_loads(py_pytree.treespec_dumps(py_spec)), py_spec
         )
 
+    @unittest.skipIf(not HAS_CACHE_LAYERS, "needs transformers >= 4.56 cache layers")
+    @parametrize("pytree", pytree_params)
+    def test_offloaded_cache_keeps_its_stream(self, pytree):
+        # tree_map over an offloaded cache returns one with its stream and flags
+        # (the stream is a leaf; before, flattening raised a TypeError)
+        from transformers.cache_utils import DynamicCache, DynamicLayer
+
+        cache = DynamicCache(offloading=True)
+        layer = DynamicLayer()
+        layer.keys, layer.values = torch.ones(1, 2, 3, 4), torch.zeros(1, 2, 3, 4)
+        cache.layers = [layer]
+        mapped = pytree.tree_map(
+            lambda x: x * 2 if isinstance(x, torch.Tensor) else x, cache
+        )
+        self.assertIs(mapped.prefetch_stream, cache.prefetch_stream)
+        self.assertTrue(mapped.offloading)
+        self.assertEqual(mapped.layers[0].keys, torch.full((1, 2, 3, 4), 2.0))
+
     def test_static_cache_round_trip(self):
         from transformers.cache_utils import StaticCache
 
