@@ -777,7 +777,11 @@ class TestHFCacheFamily(TestCase):
         # (the stream is a leaf; before, flattening raised a TypeError)
         from transformers.cache_utils import DynamicCache, DynamicLayer
 
-        cache = DynamicCache(offloading=True)
+        # the state DynamicCache(offloading=True) sets, with a CPU stream: the
+        # default one needs a GPU on CUDA builds of torch
+        cache = DynamicCache()
+        cache.offloading, cache.only_non_sliding = True, False
+        cache.prefetch_stream = torch.Stream(device="cpu")
         layer = DynamicLayer()
         layer.keys, layer.values = torch.ones(1, 2, 3, 4), torch.zeros(1, 2, 3, 4)
         cache.layers = [layer]

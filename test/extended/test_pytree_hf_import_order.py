@@ -77,7 +77,7 @@ FIRST_LINE = """
 import json, sys
 try:
     exec(sys.argv[1])
-except ImportError as e:  # a class this release does not have
+except (ImportError, AttributeError) as e:  # a class this release does not have
     print(json.dumps({"missing": str(e)}))
     sys.exit(0)
 """
@@ -92,7 +92,7 @@ def first(line):
     barrier.wait()
     try:
         exec(line, {})
-    except ImportError as e:  # a class this release does not have
+    except (ImportError, AttributeError) as e:  # a class this release does not have
         missing.append(str(e))
     except BaseException as e:
         errors.append(repr(e))
