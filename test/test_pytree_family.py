@@ -1050,6 +1050,21 @@ class TestPytreeFamilyLostState(FamilyTestCase):
         leaves, spec = pytree.tree_flatten(Decorated(1))
         self.assertEqual(pytree.tree_unflatten(leaves, spec), Decorated(1))
 
+    @pytree_impls
+    def test_fields_made_after_the_first_flatten(self, pytree: Any) -> None:
+        # @dataclass applied to a member that was flattened before: its new
+        # field is flattened too, not left out by names kept from before.
+        self.register_family(PointBase)
+
+        class Late(PointBase):
+            z: Any = None
+
+        self.assertEqual(pytree.tree_leaves(Late(1, 2)), [1, 2])
+        dataclasses.dataclass(Late)
+        leaves, spec = pytree.tree_flatten(Late(1, 2, 3))
+        self.assertEqual(leaves, [1, 2, 3])
+        self.assertEqual(pytree.tree_unflatten(leaves, spec), Late(1, 2, 3))
+
 
 instantiate_parametrized_tests(TestPytreeFamilyResolution)
 instantiate_parametrized_tests(TestPytreeFamilyLostState)
