@@ -109,7 +109,7 @@ def _run_suite(
 @_session("tests-latest")
 def tests_latest(session: nox.Session) -> None:
     """Latest transformers and diffusers (and numpy 2); the full CI hypothesis profile
-    (>= 100,000 examples)."""
+    (26,400 examples)."""
     _run_suite(session, "diffusers", hypothesis_profile="pytree-ci")
 
 
@@ -747,7 +747,7 @@ def tests_2_15(session: nox.Session) -> None:
     """torch 2.15.0, the newest supported release, and its series: the whole suite.
 
     A CUDA build, which runs on the CPU (about 4 GB with its nvidia packages); latest
-    transformers; 200 hypothesis examples per property (tests-latest runs the >= 100,000-example
+    transformers; 200 hypothesis examples per property (tests-latest runs the 1,200-example
     profile on 2.13.0).
     """
     _run_suite(session, line="2.15", hypothesis_profile="pytree-quick")
