@@ -171,7 +171,7 @@ def tests_deploy(session: nox.Session) -> None:
     token against eager generate(). transformers 4.57.6, the newest release that
     optimum-onnx 0.1.0 allows (it registers ModelOutputs without key functions, so the
     ONNX names of test_onnx_hf_models.py are checked here too); all of them
-    install beside torch 2.13.0 in one venv. Only these test files (README.md, Deploy).
+    install beside torch 2.13.0 in one venv. Only these test files (docs/deploy.md).
     """
     _run_suite(
         session,

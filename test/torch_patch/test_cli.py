@@ -38,13 +38,13 @@ def test_help_is_wrapped_and_lists_the_exit_codes_once(verb):
 
 
 def test_documented_exit_codes_are_the_codes():
-    """The --help list and README's paragraph name the codes that the code uses (and status's states)."""
+    """The --help list and docs/tool.md's paragraph name the codes that the code uses (and status's states)."""
     codes = {core.EXIT_APPLIED: "applied", core.EXIT_NOT_APPLIED: "not applied", core.EXIT_MODIFIED: "modified",
              core.EXIT_BASE_MISMATCH: "base mismatch", core.EXIT_PARTLY: "partly applied", core.EXIT_ERROR: "error",
              core.EXIT_SIGINT: "stopped by Ctrl-C"}
     assert {int(c): s for c, s in re.findall(r"^  (\d+) +([a-z]+(?: [a-z]+)?)", cli.EXIT_CODES, re.M)} == {
         c: s.replace(" by Ctrl-C", " by") for c, s in codes.items()}
-    readme = " ".join((REPO / "README.md").read_text().split())
+    readme = " ".join((REPO / "docs" / "tool.md").read_text().split())
     paragraph = readme.split("Exit codes, the same for every verb: ", 1)[1].split(". ", 1)[0]
     assert [int(c) for c in re.findall(r"(?:^|, )(\d+) ", paragraph)] == list(codes)
     assert all(f"{c} {s}" in paragraph for c, s in codes.items()), paragraph
