@@ -76,6 +76,10 @@ def _session(name: str, *, needs_gb: float = 3.0) -> Callable[
     return decorate
 
 
+# pytest-xdist workers, one per core of the 2-core CI machine: the suite takes 0.57x.
+_WORKERS = 2
+
+
 def _run_suite(
     session: nox.Session,
     *extra_requirements: str,
@@ -83,7 +87,7 @@ def _run_suite(
     default_tests: tuple[str, ...] = ("test",),
     extras: str = "test",
     line: str = "2.13",
-    workers: int = 2,
+    workers: int = _WORKERS,
 ) -> dict[str, str]:
     # torch is pinned: the package allows every supported line, and pip would take the newest
     session.install(
@@ -102,7 +106,6 @@ def _run_suite(
         # keep hypothesis' cache out of the work tree
         "HYPOTHESIS_STORAGE_DIRECTORY": session.create_tmp(),
     }
-    # pytest-xdist, a worker per core of the 2-core CI machine: the suite takes 0.57x
     parallel = ("-n", str(workers)) if workers > 1 else ()
     tests = session.posargs or default_tests
     session.run("python", "-m", "pytest", "-q", *parallel, *tests, env=env)
@@ -225,7 +228,7 @@ def tests_ci_pins(session: nox.Session) -> None:
         "pytest",
         "-q",
         "-n",
-        "2",
+        str(_WORKERS),
         *_DYNAMO_WRAPPED_TESTS,
         env={**env, "PYTORCH_TEST_WITH_DYNAMO": "1"},
     )
