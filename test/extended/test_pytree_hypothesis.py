@@ -20,8 +20,7 @@ consumed by ``common_utils`` for its own profiles):
   ``pytorch_ci`` profile in ``common_utils``: 50 examples per property (1,100 for
   the 22 tests of this file), derandomized, no example database.
 * ``pytree-ci``: as ``pytree-default`` with 1,200 examples per property (26,400 in
-  total, about 2 minutes on 2 cores), the thorough run of this repository's CI
-  (``nox -s tests-latest``).
+  total), the thorough run of this repository's CI (``nox -s tests-latest``).
 * ``pytree-quick``: as ``pytree-default`` with 200 examples per property, for a
   second run of the suite in another environment.
 * ``pytree-thorough``: random seeds, 80x the examples of ``pytree-ci``, no deadline.
