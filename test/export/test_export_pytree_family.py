@@ -478,6 +478,25 @@ class TestExportPytreeFamily(TestCase):
         ):
             torch.export.export(Returns(), (torch.ones(2),), strict=False)
 
+    @parametrize_strict
+    def test_unregistered_dataclass_input_hint(self, strict: bool) -> None:
+        @dataclasses.dataclass
+        class UnregisteredInput:
+            x: torch.Tensor
+
+        class Takes(torch.nn.Module):
+            def forward(self, inp: UnregisteredInput) -> torch.Tensor:
+                return inp.x + 1
+
+        # stock's advice, then the family's
+        with self.assertRaisesRegex(
+            Exception,
+            r"register_dataclass.{1,4}with its subclasses.{1,3}"
+            r"torch\.utils\._pytree\.register_pytree_family\(<base class>\)",
+        ):
+            inputs = (UnregisteredInput(torch.ones(2)),)
+            torch.export.export(Takes(), inputs, strict=strict)
+
     def test_load_without_registration_fails(self) -> None:
         ep = _export(Encoder(), (torch.randn(2, 3, DIM),), False)
         with tempfile.TemporaryDirectory() as tmp:
