@@ -1,9 +1,5 @@
-"""The developer's verbs: the dev tree (``dev DIR``, ``dev --export``) and the upstream series (``export``).
-
-A dev tree is the installed torch's stock files, ``*.py`` committed as ``v<release>`` with a fixed identity and
-date, and the series `git am`-ed: the same series always gives the same commits. ``dev_export`` writes them back
-with pinned `git format-patch` options, ``export`` each with the tests and benchmarks its Test Plan names.
-"""
+"""The developer's verbs: the dev tree (``dev DIR``, ``dev --export``) and the upstream series
+(``export``). The same series always gives the same commits and the same patch files."""
 
 from __future__ import annotations
 
@@ -14,43 +10,43 @@ import tempfile
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from .core import (PATCHES_DIR, RELEASE_LINES, Log, TorchPatchError, _read, git_env, load_series, release_line,
-                   resolve_target, run_git, stock_versions)
+from .core import (PATCHES_DIR, RELEASE_LINES, Log, TorchPatchError, _read, git_env, load_series,
+                   release_line, resolve_target, run_git, stock_versions, write_files)
 from .upstream import BENCHMARKS_COMMIT_MESSAGE, TESTS_COMMIT_MESSAGE
 
 
-def identity(name: str, email: str, date: str) -> Dict[str, str]:  # of a commit's author and committer
+def identity(name: str, email: str, date: str) -> Dict[str, str]:  # a commit's author, committer
     return {f"GIT_{who}_{what}": value for who in ("AUTHOR", "COMMITTER")
             for what, value in (("NAME", name), ("EMAIL", email), ("DATE", date))}
 
 
 FIXED_IDENTITY = identity("torch-patch", "torch-patch@localhost", "2000-01-01T00:00:00Z")
-# The same commits give the same bytes anywhere: no commit hash or git version in the output, full blob hashes,
-# "[PATCH]" subjects (a new patch renumbers no other), what git config could change pinned (and no config: git_env).
+# The same commits give the same bytes anywhere: no commit hash or git version, full blob hashes,
+# "[PATCH]" subjects (a new patch renumbers no other), what git config could change pinned.
 FORMAT_PATCH_OPTS = [
-    "format-patch", "--zero-commit", "--no-signature", "--full-index", "--no-numbered", "--no-renames",
-    "--diff-algorithm=myers", "--src-prefix=a/", "--dst-prefix=b/", "--no-relative", "--no-thread",
-    "--no-cover-letter", "--encode-email-headers", "--no-color"]
+    "format-patch", "--zero-commit", "--no-signature", "--full-index", "--no-numbered",
+    "--no-renames", "--diff-algorithm=myers", "--src-prefix=a/", "--dst-prefix=b/",
+    "--no-relative", "--no-thread", "--no-cover-letter", "--encode-email-headers", "--no-color"]
 
 
 def init_repo(repo: Path, release: str) -> None:
     """Commit all of ``repo`` as the stock torch ``release``, tagged v<release>."""
-    message, env = f"PyTorch v{release} (python sources of the torch=={release} wheel)", git_env(FIXED_IDENTITY)
+    message = f"PyTorch v{release} (python sources of the torch=={release} wheel)"
     for args in (["-c", "init.defaultBranch=main", "init", "-q"], ["add", "-A", "."],
                  ["commit", "-q", "--no-verify", "-m", message], ["tag", f"v{release}"]):
-        run_git(args, repo, env=env)
+        run_git(args, repo, env=git_env(FIXED_IDENTITY))
 
 
 def git_am(repo: Path, patches: List[Path]) -> None:
-    """`git am`, the committer and date taken from the author (the commits depend on the patches and base only)."""
+    """`git am` with the committer and date of the author: the commits depend on the patches."""
     env = git_env(FIXED_IDENTITY)
     for p in patches:
-        proc = run_git(["am", "-q", "--committer-date-is-author-date", "--keep-cr", "--keep-non-patch", str(p)],
-                       repo, env=env, check=False)
+        proc = run_git(["am", "-q", "--committer-date-is-author-date", "--keep-cr",
+                        "--keep-non-patch", str(p)], repo, env=env, check=False)
         if proc.returncode:
             run_git(["am", "--abort"], repo, env=env, check=False)
-            raise TorchPatchError(f"`git am {p.name}` failed in {repo}: "
-                                  f"{proc.stderr.decode(errors='replace').strip().partition(chr(10))[0]}")
+            err = proc.stderr.decode(errors="replace").strip().partition("\n")[0]
+            raise TorchPatchError(f"`git am {p.name}` failed in {repo}:\n{err}")
 
 
 def format_patches(repo: Path, rev_range: str, outdir: Path) -> List[Path]:
@@ -60,7 +56,7 @@ def format_patches(repo: Path, rev_range: str, outdir: Path) -> List[Path]:
 
 def dev_create(dev_dir: os.PathLike, *, source: Optional[os.PathLike] = None,
                series_dir: Optional[os.PathLike] = None, log: Log = print) -> Path:
-    """Create the dev tree DIR from the installed torch ``source`` (default: the one this Python imports)."""
+    """Create the dev tree DIR from the installed torch ``source`` (default: this Python's)."""
     dev_dir = Path(dev_dir).expanduser().resolve()
     if dev_dir.exists() and any(dev_dir.iterdir()):
         raise TorchPatchError(f"{dev_dir} exists and is not empty; pass a new directory")
@@ -68,7 +64,8 @@ def dev_create(dev_dir: os.PathLike, *, source: Optional[os.PathLike] = None,
     series = load_series(series_dir, line=src.line)
     stock, created = stock_versions(src, series), not dev_dir.exists()
     try:
-        log(f"copying {src.root / 'torch'} to {dev_dir / 'torch'} (the stock files, no __pycache__)…")
+        log(f"copying {src.root / 'torch'} to {dev_dir / 'torch'}\n"
+            "(the stock files, no __pycache__)…")
         shutil.copytree(src.root / "torch", dev_dir / "torch", symlinks=True, dirs_exist_ok=True,
                         ignore=shutil.ignore_patterns("__pycache__"))
         for rel, data in stock.items():  # where the installed torch is patched
@@ -83,59 +80,65 @@ def dev_create(dev_dir: os.PathLike, *, source: Optional[os.PathLike] = None,
         if created:
             shutil.rmtree(dev_dir, ignore_errors=True)
         raise
-    log(f"dev tree ready at {dev_dir}: v{src.release} and the {len(series.patches)} patches of {series.dir} as commits"
-        f"\n  test with:  PYTHONPATH={dev_dir} python ...\n  commit there, then:  torch-patch dev --export {dev_dir}")
+    log(f"dev tree ready at {dev_dir}:\nv{src.release} and the {len(series.patches)} patches of "
+        f"{series.dir} as commits\n  test with:  PYTHONPATH={dev_dir} python ...\n"
+        f"  commit there, then:  torch-patch dev --export {dev_dir}")
     return dev_dir
 
 
 def same_change(a: bytes, b: bytes) -> bool:
-    """Two patches are the same change (message, files, context, lines) but for blob hashes and line numbers."""
+    """The same change (message, files, context, lines) but for blob hashes and line numbers."""
     def norm(data: bytes) -> bytes:
         data = re.sub(rb"^index [0-9a-f]+\.\.[0-9a-f]+(?: \d+)?\n", b"", data, flags=re.M)
         return re.sub(rb"^@@ -\d+(?:,\d+)? \+\d+(?:,\d+)? @@.*\n", b"@@\n", data, flags=re.M)
     return norm(a) == norm(b)
 
 
-def dev_export(dev_dir: Optional[os.PathLike] = None, *, patches_dir: Optional[os.PathLike] = None,
-               log: Log = print) -> List[str]:
-    """Rewrite ``patches_dir`` (default: torch_patch/patches/<line of the dev tree's tag> of this checkout) from
-    `git format-patch v<release>..HEAD`. Returns the patch names."""
+def dev_export(dev_dir: Optional[os.PathLike] = None, *,
+               patches_dir: Optional[os.PathLike] = None, log: Log = print) -> List[str]:
+    """Rewrite ``patches_dir`` (default: the series of the dev tree's line) from its commits."""
     dev_dir = dev_dir or os.environ.get("TORCH_PATCH_DEV")
     if not dev_dir:
         raise TorchPatchError("no dev tree given: pass DIR, or set TORCH_PATCH_DEV")
     dev_dir = Path(dev_dir).expanduser().resolve()
     if not (dev_dir / ".git").exists():
-        raise TorchPatchError(f"{dev_dir} is not a dev tree (no .git); create one with `torch-patch dev DIR`")
+        raise TorchPatchError(f"{dev_dir} is not a dev tree (no .git).\n"
+                              "Create one with `torch-patch dev DIR`.")
     first = run_git(["rev-list", "--max-parents=0", "HEAD"], dev_dir).stdout.decode().split()
-    tags = run_git(["tag", "--list", "v*", *(f"--points-at={c}" for c in first)], dev_dir).stdout.decode().split()
+    tags = run_git(["tag", "--list", "v*", *(f"--points-at={c}" for c in first)],
+                   dev_dir).stdout.decode().split()
     tag = next((tag for tag in tags if release_line(tag[1:])), None)
     if tag is None:
-        raise TorchPatchError(f"{dev_dir} has no tag of a supported release (e.g. v{RELEASE_LINES['2.13']}) on its "
-                              f"first commit; it is not a dev tree made by `torch-patch dev`")
-    dirty = run_git(["--no-optional-locks", "status", "--porcelain", "--untracked-files=no"], dev_dir).stdout.decode()
+        raise TorchPatchError(f"{dev_dir} has no tag of a supported release (e.g. "
+                              f"v{RELEASE_LINES['2.13']}) on its first commit.\n"
+                              "It is not a dev tree made by `torch-patch dev`.")
+    dirty = run_git(["--no-optional-locks", "status", "--porcelain", "--untracked-files=no"],
+                    dev_dir).stdout.decode().splitlines()
     if dirty:
         raise TorchPatchError(f"{dev_dir} has uncommitted changes to tracked files "
-                              f"({', '.join(line[3:] for line in dirty.splitlines()[:5])}); commit or stash them first")
+                              f"({', '.join(line[3:] for line in dirty[:5])}).\n"
+                              "Commit or stash them first.")
     if patches_dir is None and not (PATCHES_DIR.parent.parent / "setup.py").is_file():
-        raise TorchPatchError(f"{PATCHES_DIR} is not in a torch_patch source checkout (no setup.py next to the "
-                              f"package); install it with `pip install -e`, or pass --patches-dir")
-    out = Path(patches_dir).resolve() if patches_dir is not None else PATCHES_DIR / release_line(tag[1:])
+        raise TorchPatchError(f"{PATCHES_DIR} is not in a torch_patch source checkout.\n"
+                              "Install it with `pip install -e`, or pass --patches-dir.")
+    out = Path(patches_dir).resolve() if patches_dir else PATCHES_DIR / release_line(tag[1:])
     with tempfile.TemporaryDirectory(prefix="torch-patch-export-") as tmp:
         new = {f.name: f.read_bytes() for f in format_patches(dev_dir, f"{tag}..HEAD", Path(tmp))}
     for name, data in new.items():
-        outside = [f for f in re.findall(rb"^diff --git a/(\S+) ", data, re.M) if not f.startswith(b"torch/")]
-        if outside:
-            raise TorchPatchError(f"commit {name} touches {outside[0].decode()}, outside torch/; library patches "
-                                  f"change only torch/ (tests live in this repo's test/)")
-    earlier = list(RELEASE_LINES)[:list(RELEASE_LINES).index(out.name)] if out.name in RELEASE_LINES else []
-    # A patch that is the same change as a file of an earlier line is that file (its number may differ: a line
-    # can lack a patch whose change its release already has)
+        for f in re.findall(rb"^diff --git a/(\S+) ", data, re.M):
+            if not f.startswith(b"torch/"):
+                raise TorchPatchError(f"commit {name} touches {f.decode()}, outside torch/.\n"
+                                      "Library patches change only torch/ (tests: test/ here).")
+    lines = list(RELEASE_LINES)
+    earlier = lines[:lines.index(out.name)] if out.name in lines else []
+    # A patch that is the same change as a file of an earlier line is that file (its number may
+    # differ: a line can lack a patch whose change its release already has)
     shared = {f"../{line}/{f.name}": f.read_bytes()
               for line in earlier for f in sorted((out.parent / line).glob("*.patch"))}
-    entries = {name: next((entry for entry, old in shared.items() if same_change(old, data)), name)
+    entries = {name: next((e for e, old in shared.items() if same_change(old, data)), name)
                for name, data in new.items()}
     out.mkdir(parents=True, exist_ok=True)
-    written = [name for name, data in new.items() if entries[name] == name and _read(out / name) != data]
+    written = [n for n, data in new.items() if entries[n] == n and _read(out / n) != data]
     removed = [p.name for p in sorted(out.glob("*.patch")) if entries.get(p.name) != p.name]
     for name in written:
         (out / name).write_bytes(new[name])
@@ -144,25 +147,30 @@ def dev_export(dev_dir: Optional[os.PathLike] = None, *, patches_dir: Optional[o
     series_file = "".join(f"{e}\n" for e in entries.values()).encode()
     if _read(out / "series") != series_file:
         (out / "series").write_bytes(series_file)
-    log(f"exported {len(new)} patches from {dev_dir} ({tag}..HEAD) to {out} ({len(written)} written, "
-        f"{sum('/' in e for e in entries.values())} shared with an earlier release line, {len(removed)} removed"
-        f"{': ' if removed else ''}{', '.join(removed)})")
+    shared_count = sum("/" in e for e in entries.values())
+    log(f"exported {len(new)} patches from {dev_dir} ({tag}..HEAD) to {out}:\n"
+        f"{len(written)} written, {shared_count} shared with an earlier release line, "
+        f"{len(removed)} removed.")
+    if removed:
+        log(f"removed: {', '.join(removed)}")
     return list(new)
 
 
 def repo_files(repo: Path, top: str) -> List[str]:
-    """The files under ``top`` (tracked, or untracked and not ignored), repo-relative, without caches."""
+    """The files under ``top`` (tracked, or untracked and not ignored), without caches."""
     if (repo / ".git").exists():
-        out = run_git(["ls-files", "-z", "--cached", "--others", "--exclude-standard", "--", top], repo).stdout
+        out = run_git(["ls-files", "-z", "--cached", "--others", "--exclude-standard", "--", top],
+                      repo).stdout
         files = [f for f in out.decode().split("\0") if f and (repo / f).is_file()]
     else:
         files = [p.relative_to(repo).as_posix() for p in (repo / top).rglob("*") if p.is_file()]
-    return sorted(f for f in set(files) if not {"__pycache__", ".pytest_cache", ".hypothesis", ".mypy_cache"}
-                  & set(f.split("/")) and not f.endswith((".pyc", ".pyo")))
+    caches = {"__pycache__", ".pytest_cache", ".hypothesis", ".mypy_cache"}
+    return sorted(f for f in set(files)
+                  if not caches & set(f.split("/")) and not f.endswith((".pyc", ".pyo")))
 
 
 def _needs(named: str, repo: Path, available: List[str]) -> List[str]:
-    """What `python <named>` needs: a benchmark, its directory; a test, the modules of its directory it imports."""
+    """What `python <named>` needs: a benchmark its directory, a test the modules it imports."""
     directory = named.rsplit("/", 1)[0]
     if named.startswith("benchmarks/"):
         return [f for f in available if f.startswith(directory + "/")]
@@ -170,46 +178,52 @@ def _needs(named: str, repo: Path, available: List[str]) -> List[str]:
     while todo:
         needed.add(f := todo.pop())
         text = (repo / f).read_text(encoding="utf-8", errors="replace")
-        todo += {f"{directory}/{m}.py" for m in re.findall(r"^\s*(?:from|import)\s+([A-Za-z_]\w*)\b", text, re.M)
-                 } & set(available) - needed
+        imports = re.findall(r"^\s*(?:from|import)\s+([A-Za-z_]\w*)\b", text, re.M)
+        todo += {f"{directory}/{m}.py" for m in imports} & set(available) - needed
     return sorted(needed)
 
 
 def export(outdir: os.PathLike, *, force: bool = False, series_dir: Optional[os.PathLike] = None,
            repo: Optional[os.PathLike] = None, source: Optional[os.PathLike] = None,
            cut: str = "full", log: Log = print) -> List[str]:
-    """Write the upstream series (patch files and ``series``) into OUTDIR; ``cut="generic"``: only the patches
-    before the first whose added lines name a HuggingFace library. Returns the names."""
+    """Write the upstream series into OUTDIR; ``cut="generic"``: only the patches before the first
+    whose added lines name a HuggingFace library."""
     outdir = Path(outdir).expanduser().resolve()
     if outdir.exists() and any(outdir.iterdir()) and not force:
-        raise TorchPatchError(f"{outdir} exists and is not empty; choose a new directory or pass --force")
+        raise TorchPatchError(f"{outdir} exists and is not empty.\n"
+                              "Choose a new directory or pass --force.")
     src = resolve_target(source, require_venv=False)
     release, series = src.release, load_series(series_dir, line=src.line)
     repo = Path(repo).resolve() if repo is not None else PATCHES_DIR.parent.parent
     if not (repo / "test").is_dir():
-        raise TorchPatchError(f"export takes the tests and benchmarks of a torch_patch checkout; {repo} has no test/: "
-                              f"pass --repo DIR")
+        raise TorchPatchError(f"export takes the tests and benchmarks of a torch_patch checkout; "
+                              f"{repo} has no test/.\nPass --repo DIR.")
     local = ("test/torch_patch/", "test/extended/")  # the tool's tests, and the suites kept here
     files = {"test": [f for f in repo_files(repo, "test") if not f.startswith(local)],
              "benchmarks": repo_files(repo, "benchmarks")}
     available, library, per_patch = files["test"] + files["benchmarks"], series.patches, []
     for patch in library:  # each library patch carries the files its Test Plan names first
         message = patch.data.decode(errors="replace").split("\n---\n", 1)[0]
-        named = re.findall(r"^\s*python3?\s+(\S+\.py)\b", message.partition("\nTest Plan:")[2], re.M)
+        plan = message.partition("\nTest Plan:")[2]
+        named = re.findall(r"^\s*python3?\s+(\S+\.py)\b", plan, re.M)
         taken = {f for earlier in per_patch for f in earlier}
-        per_patch.append(sorted({f for n in named if n in available for f in _needs(n, repo, available)} - taken))
+        per_patch.append(sorted({f for n in named if n in available
+                                 for f in _needs(n, repo, available)} - taken))
     if cut == "generic":
-        added = ["\n".join(line for line in p.data.decode(errors="replace").split("\n---\n", 1)[-1].splitlines()
-                           if line.startswith("+") and not line.startswith("+++")) for p in library]
-        keep = next((i for i, text in enumerate(added) if re.search(
-            r"\b(?:transformers|diffusers|HuggingFace|huggingface)\b", text)), len(library))
+        hf = re.compile(r"^\+(?!\+\+).*\b(?:transformers|diffusers|HuggingFace|huggingface)\b",
+                        re.M)  # an added line that names a HuggingFace library
+        keep = next((i for i, p in enumerate(library)
+                     if hf.search(p.data.decode(errors="replace").split("\n---\n", 1)[-1])),
+                    len(library))
         if keep == 0:
-            raise TorchPatchError("the series has no generic part: its first patch is already HuggingFace-specific")
+            raise TorchPatchError("the series has no generic part: its first patch is already "
+                                  "HuggingFace-specific")
         dropped = {f for later in per_patch[keep:] for f in later}
-        files = {kind: [f for f in kind_files if f not in dropped] for kind, kind_files in files.items()}
+        files = {kind: [f for f in names if f not in dropped] for kind, names in files.items()}
         library, per_patch = library[:keep], per_patch[:keep]
-        log(f"generic cut: {keep} of {len(series.patches)} library patches (up to {library[-1].name}), without the "
-            f"{len(dropped)} files only the others' Test Plans name")
+        log(f"generic cut: {keep} of {len(series.patches)} library patches (up to "
+            f"{library[-1].name}),\nwithout the {len(dropped)} files only the others' Test Plans "
+            "name")
     in_library = {f for carried in per_patch for f in carried}
     with tempfile.TemporaryDirectory(prefix="torch-patch-export-") as tmp:
         work, env = Path(tmp) / "pytorch", git_env(FIXED_IDENTITY)
@@ -217,42 +231,45 @@ def export(outdir: os.PathLike, *, force: bool = False, series_dir: Optional[os.
         def add(names: List[str]) -> None:
             for f in names:
                 if (work / f).exists():
-                    raise TorchPatchError(f"{f} would overwrite a file of the library series; rename it")
+                    raise TorchPatchError(f"{f} would overwrite a file of the library series; "
+                                          "rename it")
                 (work / f).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy(repo / f, work / f)
             run_git(["add", "-f", "--", *names], work, env=env)
 
-        for rel, data in stock_versions(src, series).items():
-            if data is not None:
-                (work / rel).parent.mkdir(parents=True, exist_ok=True)
-                (work / rel).write_bytes(data)
-        (work / "README").write_text(f"stand-in for pytorch v{release}: only the files the series touches\n")
+        write_files(work, stock_versions(src, series))
+        (work / "README").write_text(f"stand-in for pytorch v{release}: only the files the "
+                                     "series touches\n")
         init_repo(work, release)
         for patch, carried in zip(library, per_patch):
             git_am(work, [patch.path])
             if carried:
                 add(carried)
-                date = run_git(["log", "-1", "--format=%aI"], work, env=env).stdout.decode().strip()
+                date = run_git(["log", "-1", "--format=%aI"], work, env=env).stdout.decode()
                 run_git(["commit", "-q", "--amend", "--no-edit", "--no-verify"], work,
-                        env=git_env(dict(FIXED_IDENTITY, GIT_COMMITTER_DATE=date)))
-        # the commits on top carry the identity and date of the last library commit (stable bytes)
-        last = run_git(["log", "-1", "--format=%an%n%ae%n%aI"], work, env=env).stdout.decode().split("\n")
-        for kind, template in (("test", TESTS_COMMIT_MESSAGE), ("benchmarks", BENCHMARKS_COMMIT_MESSAGE)):
+                        env=git_env(dict(FIXED_IDENTITY, GIT_COMMITTER_DATE=date.strip())))
+        # the commits on top carry the identity and date of the last library commit
+        last = run_git(["log", "-1", "--format=%an%n%ae%n%aI"], work, env=env).stdout.decode()
+        for kind, template in (("test", TESTS_COMMIT_MESSAGE),
+                               ("benchmarks", BENCHMARKS_COMMIT_MESSAGE)):
             rest = [f for f in files[kind] if f not in in_library]
             plan = "\n".join(f"    python {f}" for f in rest if f.endswith(".py") and (
-                kind == "benchmarks" or f.rsplit("/", 1)[-1].startswith("test_"))) or "    (no runnable files)"
+                kind == "benchmarks" or f.rsplit("/", 1)[-1].startswith("test_")))
             if rest:
                 add(rest)
-                run_git(["commit", "-q", "--no-verify", "-m", template.format(test_plan=plan)], work,
-                        env=git_env(identity(*last[:3]) if library else FIXED_IDENTITY))
-        names = [p.name for p in format_patches(work, f"v{release}..HEAD", Path(tmp) / "out")]
-        (Path(tmp) / "out" / "series").write_text("".join(f"{n}\n" for n in names), encoding="utf-8")
-        outdir.mkdir(parents=True, exist_ok=True)  # written only now: a failure leaves OUTDIR as it was
+                run_git(["commit", "-q", "--no-verify", "-m",
+                         template.format(test_plan=plan or "    (no runnable files)")], work,
+                        env=git_env(identity(*last.split("\n")[:3]) if library else FIXED_IDENTITY))
+        out = Path(tmp) / "out"
+        names = [p.name for p in format_patches(work, f"v{release}..HEAD", out)]
+        (out / "series").write_text("".join(f"{n}\n" for n in names), encoding="utf-8")
+        outdir.mkdir(parents=True, exist_ok=True)  # only now: a failure leaves OUTDIR as it was
         for old in list(outdir.glob("*.patch")) + [outdir / "series"] if force else []:
             old.unlink(missing_ok=True)
         for name in names + ["series"]:
-            shutil.copyfile(Path(tmp) / "out" / name, outdir / name)
-    log(f"exported {len(names)} patches to {outdir}: {len(library)} library patches with the {len(in_library)} "
-        f"files their Test Plans name, then {len(names) - len(library)} commits of the other tests and benchmarks\n"
-        f"  on a PyTorch v{release} checkout:  git am --keep-non-patch {outdir}/*.patch")
+            shutil.copyfile(out / name, outdir / name)
+    log(f"exported {len(names)} patches to {outdir}:\n{len(library)} library patches with the "
+        f"{len(in_library)} files their Test Plans name,\nthen {len(names) - len(library)} commits "
+        f"of the other tests and benchmarks.\n"
+        f"On a PyTorch v{release} checkout:  git am --keep-non-patch {outdir}/*.patch")
     return names

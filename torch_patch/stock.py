@@ -1,11 +1,6 @@
-"""Run stock torch in a venv whose torch `torch-patch apply` patched, from the stock files it saved.
-
-``install(stock_modules())``, before torch is imported, puts a finder first on ``sys.meta_path``: each
-``torch.*`` module whose file the series changes is imported from its saved stock version (its
-``__file__`` is that file), and each module the series adds raises ``ModuleNotFoundError``, as in stock
-torch. Everything else is the venv's torch as installed. The demo runs its steps this way for the stock
-column.
-"""
+"""Stock torch in a venv whose torch `torch-patch apply` patched, for the demo's stock column:
+``install(stock_modules())``, before torch, imports the modules the series changes from the stock
+files it saved."""
 
 from __future__ import annotations
 
@@ -19,12 +14,12 @@ from . import core
 
 
 def stock_modules(target: Optional[os.PathLike] = None) -> Dict[str, Optional[str]]:
-    """Each module that the series applied to ``target`` (default: the torch this Python imports) touches:
-    the path of its saved stock file, or None for a module that the series adds."""
+    """Each module the applied series touches: its saved stock file (None: the series adds it)."""
     st = core.status(target)
     if st.code != core.EXIT_APPLIED or not st.stock_files:  # not applied, or applied by other means
-        raise core.TorchPatchError(f"the torch at {st.target} is not patched by torch-patch ({st.message}): run "
-                                   f"`torch-patch apply` first, then this again", st.code or core.EXIT_ERROR)
+        raise core.TorchPatchError(f"the torch at {st.target} is not patched by torch-patch:\n"
+                                   f"{st.message}\nRun `torch-patch apply` first, then this again.",
+                                   st.code or core.EXIT_ERROR)
     modules = {}
     for rel in st.files:
         if rel.endswith(".py"):
@@ -34,7 +29,7 @@ def stock_modules(target: Optional[os.PathLike] = None) -> Dict[str, Optional[st
 
 
 class _Loader(importlib.machinery.SourceFileLoader):
-    def set_data(self, *args, **kwargs) -> None:  # no bytecode in the tool's state dir
+    def set_data(self, *args, **kwargs) -> None:  # no bytecode in the state dir
         pass
 
 
@@ -52,15 +47,16 @@ class StockFinder:
         if os.path.basename(stock) == "__init__.py":  # its submodules are the installed ones
             spec = importlib.machinery.PathFinder.find_spec(name, path)
             package = list(spec.submodule_search_locations) if spec else None
-        return importlib.util.spec_from_file_location(name, stock, loader=_Loader(name, stock),
-                                                      submodule_search_locations=package)
+        return importlib.util.spec_from_file_location(
+            name, stock, loader=_Loader(name, stock), submodule_search_locations=package)
 
 
 def install(modules: Dict[str, Optional[str]]) -> StockFinder:
-    """Serve ``modules`` (from :func:`stock_modules`) from their stock files; before torch is imported."""
+    """Serve ``modules`` (from :func:`stock_modules`) from their stock files, before torch."""
     imported = sorted(name for name in modules if name in sys.modules)
     if imported:
-        raise RuntimeError(f"{', '.join(imported)} already imported: install the stock finder before torch")
+        raise RuntimeError(f"{', '.join(imported)} already imported: install the stock finder "
+                           "before torch")
     finder = StockFinder(modules)
     sys.meta_path.insert(0, finder)
     return finder

@@ -1,5 +1,5 @@
-"""The messages of the commits that `torch-patch export` adds on top of the library series: the tests and the
-benchmarks that no commit's Test Plan names (``{test_plan}``: a command for each such file)."""
+"""The messages of the commits that `torch-patch export` adds on top of the library series: the
+tests and benchmarks that no commit's Test Plan names (``{test_plan}``: a command for each)."""
 
 TESTS_COMMIT_MESSAGE = """\
 [pytree] Add the pytree tests that no commit's Test Plan names

@@ -47,12 +47,12 @@ def test_round_trip(target, test_series):
     r = run_cli("status", target, "--series", test_series)
     assert (r.returncode, r.stdout) == (0, f"applied: {head(target, test_series)}\n")
     r = run_cli("apply", target, "--series", test_series)
-    assert r.stdout == f"already applied: {head(target, test_series)}; nothing to do\n"
+    assert r.stdout == f"already applied: {head(target, test_series)}\nNothing to do.\n"
     r = run_cli("revert", target, "--series", test_series)
     assert r.returncode == 0 and r.stdout.startswith("reverted: 2 patches"), r.stderr
     assert tree_digest(target) == stock and not (target / ".torch-patch").exists()
     r = run_cli("revert", target, "--series", test_series)
-    assert (r.returncode, r.stdout) == (0, f"not applied: {head(target, test_series)}; nothing to revert\n")
+    assert (r.returncode, r.stdout) == (0, f"not applied: {head(target, test_series)}\nNothing to revert.\n")
 
 
 def test_python_api(target, test_series):
@@ -127,13 +127,13 @@ def test_oserror_at_any_file_is_finished_by_apply_or_revert(monkeypatch, tmp_pat
     switched = after + (verb == "revert")  # revert removes the added file first (no rename)
     state = "not applied" if verb == "apply" and switched == 0 else "partly applied"
     assert str(e.value).startswith(f"{verb} failed: {os.strerror(err)} (")
-    assert f"then run `torch-patch {verb} {target}` again; the target is now {state}: " in str(e.value)
-    assert ("free some space there" in str(e.value)) == (err == errno.ENOSPC)
+    assert f"then run `torch-patch {verb} {target}` again.\nThe target is now:\n{state}: " in str(e.value)
+    assert ("Free some space there" in str(e.value)) == (err == errno.ENOSPC)
     st = torch_patch.status(target, series_dir=test_series)
     assert (st.state, st.code) == (state, 1 if state == "not applied" else 4)
     if state == "partly applied":
-        assert f"{switched if verb == 'apply' else 3 - switched} of 3 files patched; `torch-patch apply {target}` " \
-               f"finishes it, `torch-patch revert {target}` undoes it" in st.message
+        assert f"{switched if verb == 'apply' else 3 - switched} of 3 files patched.\n`torch-patch apply {target}` " \
+               f"finishes it.\n`torch-patch revert {target}` undoes it." in st.message
     assert not [p for p in target.rglob("*.torch-patch-tmp")]
     _finished_both_ways(tmp_path, target, test_series, stock, patched)
 
@@ -172,8 +172,8 @@ def test_disk_full_while_saving_changes_nothing(monkeypatch, target, test_series
         return real_write(self, data)
 
     monkeypatch.setattr(Path, "write_bytes", write_bytes)
-    with pytest.raises(torch_patch.TorchPatchError, match="apply failed: No space left on device .*: free some space "
-                                                          "there, then run .* again; the target is now not applied"):
+    with pytest.raises(torch_patch.TorchPatchError, match="(?s)apply failed: No space left on device .*Free some "
+                                                          "space there, then run .* again.\nThe target is now:\nnot applied"):
         torch_patch.apply(target, series_dir=test_series, log=lambda s: None)
     monkeypatch.undo()
     assert without_state(tree_digest(target)) == stock
@@ -188,9 +188,9 @@ def test_reinstalled_torch_is_not_applied_and_apply_patches_again(target, templa
     patched = without_state(tree_digest(target))
     shutil.copytree(template / "torch", target / "torch", dirs_exist_ok=True)  # pip rewrites the wheel's files
     r = run_cli("status", target, "--series", test_series)
-    assert (r.returncode, r.stdout) == (1, f"not applied: {head(target, test_series)} — left over from an earlier "
-                                           f"apply (torch reinstalled, or `git checkout`?): {NEW_FILE}; `torch-patch "
-                                           f"apply {target}` finishes it, `torch-patch revert {target}` undoes it\n")
+    assert (r.returncode, r.stdout) == (1, f"not applied: {head(target, test_series)}\nLeft over from an earlier "
+                                           f"apply (torch reinstalled, or `git checkout`?):\n{NEW_FILE}\n`torch-patch "
+                                           f"apply {target}` finishes it.\n`torch-patch revert {target}` undoes it.\n")
     assert run_cli("apply", target, "--series", test_series).returncode == 0
     assert without_state(tree_digest(target)) == patched
     shutil.copytree(template / "torch", target / "torch", dirs_exist_ok=True)
@@ -222,14 +222,14 @@ def test_edited_file_is_kept_unless_force(target, test_series, verb):
     patched = without_state(tree_digest(target))
     edited = target / TEST_FILES[1]
     edited.write_text(edited.read_text() + "# my edit\n")
-    message = (f"modified: {head(target, test_series)} — {TEST_FILES[1]} is neither stock nor patched; "
-               f"`torch-patch revert --force {target}` puts the stock files back, `torch-patch apply --force "
-               f"{target}` the patched ones (the edits are lost)")
+    message = (f"modified: {head(target, test_series)}\nNeither stock nor patched: {TEST_FILES[1]}.\n"
+               f"`torch-patch revert --force {target}` puts the stock files back.\n`torch-patch apply --force "
+               f"{target}` the patched ones (the edits are lost).")
     r = run_cli("status", target, "--series", test_series)
-    assert (r.returncode, r.stdout) == (2, message + "\n")
+    assert (r.returncode, r.stdout) == (6, message + "\n")
     r = run_cli(verb, target, "--series", test_series)
     prefix = {"apply": "cannot apply", "revert": "refusing to revert"}[verb]
-    assert (r.returncode, r.stderr) == (2, f"torch-patch: error: {prefix}: {message}\n")
+    assert (r.returncode, r.stderr) == (6, f"torch-patch: error: {prefix}:\n{message}\n")
     assert edited.read_text().endswith("# my edit\n")
     assert run_cli(verb, target, "--series", test_series, "--force").returncode == 0
     assert without_state(tree_digest(target)) == (stock if verb == "revert" else patched)
@@ -239,9 +239,9 @@ def test_series_of_an_earlier_torch_patch_is_replaced(target, test_series, first
     stock = tree_digest(target)
     assert run_cli("apply", target, "--series", first_patch_only).returncode == 0
     r = run_cli("status", target, "--series", test_series)
-    assert (r.returncode, r.stdout) == (0, f"applied: {head(target, test_series, 1, 'an earlier series')} — "
+    assert (r.returncode, r.stdout) == (0, f"applied: {head(target, test_series, 1, 'an earlier series')}\n"
                                            f"torch_patch now has another series for {RUNNING.line}: `torch-patch "
-                                           f"apply {target}` replaces it\n")
+                                           f"apply {target}` replaces it.\n")
     r = run_cli("apply", target, "--series", test_series)
     earlier = head(target, test_series, 1, "an earlier series")
     assert r.returncode == 0 and r.stdout.splitlines() == [f"reverting {earlier} first",
@@ -279,9 +279,9 @@ def test_read_only_target(target, test_series):
         r = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
     finally:
         target.chmod(0o755)
-    assert r.returncode == 5 and len(r.stderr.splitlines()) == 1, r.stderr
-    assert ": make it writable (or run as a user who may write there), then run `torch-patch apply " in r.stderr
-    assert "the target is now not applied" in r.stderr
+    assert r.returncode == 5 and r.stderr.startswith("torch-patch: error: apply failed: "), r.stderr
+    assert "\nMake it writable (or run as a user who may write there), then run `torch-patch apply " in r.stderr
+    assert "\nThe target is now:\nnot applied" in r.stderr
     assert tree_digest(target) == before
 
 
@@ -303,7 +303,7 @@ def test_one_process_at_a_time(target, test_series):
     outs = [p.communicate()[0] for p in procs]
     assert [p.returncode for p in procs[:2]] == [0, 0] and json.loads(outs[2])["state"] in ("applied", "not applied")
     assert sorted(out.splitlines()[-1] for out in outs[:2]) == [
-        f"already applied: {head(target, test_series)}; nothing to do", f"applied: {head(target, test_series)}"]
+        "Nothing to do.", f"applied: {head(target, test_series)}"]
 
 
 def test_ctrl_c_says_what_the_target_is(target, test_series):
@@ -318,8 +318,9 @@ def test_ctrl_c_says_what_the_target_is(target, test_series):
         proc.send_signal(signal.SIGINT)
     finally:
         os.close(fd)
-    assert proc.communicate()[1].splitlines()[-1] == f"torch-patch: error: stopped by Ctrl-C; the target is now not " \
-                                                    f"applied: {head(target, test_series)}" and proc.returncode == 130
+    assert proc.communicate()[1].splitlines()[-3:] == ["torch-patch: error: stopped by Ctrl-C", "The target is now:",
+                                                       f"not applied: {head(target, test_series)}"]
+    assert proc.returncode == 130
 
 
 @pytest.mark.parametrize("version,nearest", [("2.16.0", "2.15.0"), ("2.12.1", "2.13.0"), ("3.0.0", "2.15.0"),
@@ -328,8 +329,8 @@ def test_base_mismatch_names_the_nearest_release(target, test_series, version, n
     vp = target / "torch" / "version.py"
     vp.write_text(vp.read_text().replace(f"'{RUNNING.version}'", f"'{version}'"))
     before = tree_digest(target)
-    message = (f"base mismatch: torch {version} at {target}; the series are for torch 2.13, 2.14, 2.15: install "
-               f"torch=={nearest} (or check out v{nearest})")
+    message = (f"base mismatch: torch {version} at {target}\nThe series are for torch 2.13, 2.14, 2.15: install "
+               f"torch=={nearest} (or check out v{nearest}).")
     for verb in ("apply", "revert"):
         r = run_cli(verb, target, "--series", test_series)
         assert (r.returncode, r.stderr) == (3, f"torch-patch: error: {message}\n")
@@ -340,14 +341,14 @@ def test_base_mismatch_names_the_nearest_release(target, test_series, version, n
 
 def test_not_a_target(tmp_path, target, test_series):
     r = run_cli("status", tmp_path)
-    assert (r.returncode, r.stderr) == (5, f"torch-patch: error: {tmp_path} has no torch/__init__.py: pass a PyTorch "
-                                           f"checkout, or the directory with an installed torch/ in it (of a venv: "
-                                           f"VENV/lib/python3.X/site-packages)\n")
+    assert (r.returncode, r.stderr) == (5, f"torch-patch: error: {tmp_path} has no torch/__init__.py.\nPass a PyTorch "
+                                           f"checkout, or the directory with an installed torch/ in it\n(of a venv: "
+                                           f"VENV/lib/python3.X/site-packages).\n")
     assert run_cli("apply", target, "--series", test_series).returncode == 0
     (target / "torch" / "__init__.py").unlink()  # what pip uninstall leaves: the files not in the wheel
     r = run_cli("status", target)
-    assert r.returncode == 5 and r.stderr.endswith(f"; `pip uninstall torch` left files there? rm -r {target}/torch "
-                                                   f"{target}/.torch-patch removes them\n")
+    assert r.returncode == 5 and r.stderr.endswith(f"\n`pip uninstall torch` left files there? rm -r {target}/torch "
+                                                   f"{target}/.torch-patch removes them.\n")
 
 
 @pytest.mark.parametrize("undo", [["checkout", "."], ["stash", "-u"]])
@@ -374,18 +375,18 @@ def test_checkout_with_the_series_applied_by_git(tmp_path, template, test_series
     `git apply -R`) and leaves the commits of `git am` to git."""
     co = standin_checkout(tmp_path / "pytorch", template)
     git(how, *[str(test_series / n) for n in series_names(test_series)], cwd=co)
-    note = {"am": "committed in this checkout (e.g. with `git am`)",
-            "apply": "not by torch-patch (e.g. plain `git apply`)"}
+    note = {"am": "Committed in this checkout (e.g. with `git am`).",
+            "apply": "Not by torch-patch (e.g. plain `git apply`)."}
     r = run_cli("status", co, "--series", test_series)
-    assert (r.returncode, r.stdout) == (0, f"applied: {head(co, test_series)} — {note[how]}\n")
+    assert (r.returncode, r.stdout) == (0, f"applied: {head(co, test_series)}\n{note[how]}\n")
     r = run_cli("apply", co, "--series", test_series)
     assert r.returncode == 0 and r.stdout.startswith("already applied: ")
     r = run_cli("stock-file", TEST_FILES[0], co, "--series", test_series)
     assert r.returncode == 5 and r.stderr.startswith(f"torch-patch: error: no stock version of {TEST_FILES[0]} is on "
-                                                     f"disk: applied: ") and f"`git show v{RELEASE}:" in r.stderr
+                                                     f"disk:\napplied: ") and f"`git show v{RELEASE}:" in r.stderr
     commit = git("rev-parse", "HEAD", cwd=co).stdout
     r = run_cli("revert", co, "--series", test_series)
-    assert r.returncode == (2 if how == "am" else 0), r.stderr
+    assert r.returncode == (6 if how == "am" else 0), r.stderr
     assert ("the series is committed in" in r.stderr and "git revert" in r.stderr) == (how == "am")
     assert git("status", "--porcelain", "--untracked-files=all", cwd=co).stdout == ""
     assert git("rev-parse", "HEAD", cwd=co).stdout == commit and not (co / ".git" / "torch-patch").exists()
@@ -401,8 +402,7 @@ def test_a_file_that_does_not_take_the_series_is_named(tmp_path, template, test_
     assert json.loads(r.stdout)["files"] == {TEST_FILES[0]: "modified", TEST_FILES[1]: "stock", NEW_FILE: "stock"}
     r = run_cli("apply", co, "--series", test_series)
     first = series_names(test_series)[0]
-    assert r.returncode == 2 and f"; patch {first} does not apply: {TEST_FILES[0]}, hunk #1 of 1 (@@ -" in r.stderr
-    assert r.stderr.endswith(") does not fit\n")
+    assert r.returncode == 6 and f"\nPatch {first} does not apply:\n{TEST_FILES[0]}, hunk #1 of 1 does not fit:\n@@ -" in r.stderr
     assert tree_digest(co) == before
 
 

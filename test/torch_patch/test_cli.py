@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 
-from tp_helpers import NEW_FILE, REPO, RUNNING, TEST_FILES, run_cli
+from tp_helpers import NEW_FILE, REPO, RUNNING, TEST_FILES, git, run_cli, standin_checkout
 
 from torch_patch import cli, core
 
@@ -39,9 +42,10 @@ def test_help_is_wrapped_and_lists_the_exit_codes_once(verb):
 
 def test_documented_exit_codes_are_the_codes():
     """The --help list and docs/tool.md's paragraph name the codes that the code uses (and status's states)."""
-    codes = {core.EXIT_APPLIED: "applied", core.EXIT_NOT_APPLIED: "not applied", core.EXIT_MODIFIED: "modified",
+    codes = {core.EXIT_APPLIED: "applied", core.EXIT_NOT_APPLIED: "not applied", core.EXIT_USAGE: "usage",
              core.EXIT_BASE_MISMATCH: "base mismatch", core.EXIT_PARTLY: "partly applied", core.EXIT_ERROR: "error",
-             core.EXIT_SIGINT: "stopped by Ctrl-C"}
+             core.EXIT_MODIFIED: "modified", core.EXIT_SIGINT: "stopped by Ctrl-C"}
+    assert (core.EXIT_USAGE, core.EXIT_MODIFIED) == (2, 6)
     assert {int(c): s for c, s in re.findall(r"^  (\d+) +([a-z]+(?: [a-z]+)?)", cli.EXIT_CODES, re.M)} == {
         c: s.replace(" by Ctrl-C", " by") for c, s in codes.items()}
     readme = " ".join((REPO / "docs" / "tool.md").read_text().split())
@@ -50,12 +54,25 @@ def test_documented_exit_codes_are_the_codes():
     assert all(f"{c} {s}" in paragraph for c, s in codes.items()), paragraph
 
 
-def test_usage_error_is_an_error():
-    r = run_cli("apply", "--no-such-option")
-    assert r.returncode == core.EXIT_ERROR and "unrecognized arguments: --no-such-option" in r.stderr
-    r = run_cli("dev")
-    assert (r.returncode, r.stderr) == (5, "torch-patch: error: dev needs DIR, the dev tree to create (or --export): "
-                                           "see torch-patch dev -h\n")
+@pytest.mark.parametrize("args,error", [
+    (["no-such-verb"], "torch-patch: error: argument VERB: invalid choice: 'no-such-verb'"),
+    (["apply", "--no-such-option"], "torch-patch: error: unrecognized arguments: --no-such-option"),
+    (["stock-file"], "torch-patch stock-file: error: the following arguments are required: PATH"),
+    (["dev"], "torch-patch dev: error: dev needs DIR, the dev tree to create (or --export)")])
+def test_usage_error_exits_2_with_the_usage(args, error):
+    """As argparse does: exit code 2, the usage, then the error (6, not 2, means modified)."""
+    r = run_cli(*args)
+    assert r.returncode == 2 and r.stdout == "", r
+    assert r.stderr.startswith("usage: torch-patch") and r.stderr.splitlines()[-1].startswith(error), r.stderr
+
+
+def test_modified_exits_6(target, test_series):
+    assert run_cli("apply", target, "--series", test_series).returncode == 0
+    (target / TEST_FILES[0]).write_text("# edited\n")
+    r = run_cli("status", target, "--series", test_series, "--json")
+    assert (r.returncode, json.loads(r.stdout)["code"], json.loads(r.stdout)["state"]) == (6, 6, "modified")
+    for verb in ("status", "apply", "revert"):
+        assert run_cli(verb, target, "--series", test_series).returncode == 6, verb
 
 
 def test_status_json_and_its_errors_are_json(tmp_path, target, test_series):
@@ -70,9 +87,9 @@ def test_status_json_and_its_errors_are_json(tmp_path, target, test_series):
         "files": {rel: "stock" for rel in [TEST_FILES[1], TEST_FILES[0], NEW_FILE]}}
     r = run_cli("status", tmp_path / "nothing", "--json")
     assert r.returncode == 5 and r.stderr == "" and json.loads(r.stdout) == {
-        "state": "error", "code": 5, "message": f"{tmp_path / 'nothing'} has no torch/__init__.py: pass a PyTorch "
-                                                f"checkout, or the directory with an installed torch/ in it (of a "
-                                                f"venv: VENV/lib/python3.X/site-packages)"}
+        "state": "error", "code": 5, "message": f"{tmp_path / 'nothing'} has no torch/__init__.py.\nPass a PyTorch "
+                                                f"checkout, or the directory with an installed torch/ in it\n(of a "
+                                                f"venv: VENV/lib/python3.X/site-packages)."}
 
 
 def test_status_verbose_lists_patches_and_files(target, test_series):
@@ -95,9 +112,44 @@ def test_stock_file(target, template, test_series):
     r = run_cli("stock-file", "torch/version.py", target, "--series", test_series)  # not touched by the series
     assert (r.returncode, r.stdout) == (0, f"{target / 'torch/version.py'}\n")
     r = run_cli("stock-file", NEW_FILE, target, "--series", test_series)
-    assert (r.returncode, r.stderr) == (5, f"torch-patch: error: no stock version of {NEW_FILE} is on disk: stock "
-                                           f"torch has no such file (the series adds it)\n")
+    assert (r.returncode, r.stderr) == (5, f"torch-patch: error: no stock version of {NEW_FILE} is on disk:\nstock "
+                                           f"torch has no such file (the series adds it).\n")
     r = run_cli("stock-file", "utils/_pytree.py", target, "--series", test_series)
-    assert (r.returncode, r.stderr) == (5, f"torch-patch: error: no stock version of utils/_pytree.py is on disk: "
-                                           f"{target}/utils/_pytree.py is no file of the torch package (pass a path "
-                                           f"like torch/utils/_pytree.py)\n")
+    assert (r.returncode, r.stderr) == (5, f"torch-patch: error: no stock version of utils/_pytree.py is on disk:\n"
+                                           f"{target}/utils/_pytree.py is no file of the torch package.\nPass a path "
+                                           f"like torch/utils/_pytree.py.\n")
+
+
+def test_no_line_of_a_message_is_over_100_characters(tmp_path, template, test_series, first_patch_only):
+    """Each state and error the tool reports, on a target and series at short paths (the paths are
+    the user's): every line of what it prints is at most 100 characters."""
+    short = Path(tempfile.mkdtemp(prefix="t", dir="/tmp"))  # /tmp/tXXXXXXXX
+    try:
+        t, s, s1, co = short / "t", short / "s", short / "1", short / "c"
+        shutil.copytree(template, t)
+        shutil.copytree(test_series, s)
+        shutil.copytree(first_patch_only, s1)
+        runs = [("status", t, "--series", s), ("apply", t, "--series", s1), ("status", t, "--series", s),
+                ("apply", t, "--series", s), ("apply", t, "--series", s), ("stock-file", NEW_FILE, t, "--series", s),
+                ("stock-file", "utils/x.py", t, "--series", s), ("dev", short / "d", "--from", t, "--series", s)]
+        (t / TEST_FILES[1]).write_text("# edited\n")
+        runs += [("status", t, "--series", s), ("apply", t, "--series", s), ("revert", t, "--series", s),
+                 ("dev", short / "d", "--from", t, "--series", s), ("stock-file", TEST_FILES[1], t, "--series", s),
+                 ("revert", t, "--series", s, "--force"), ("revert", t, "--series", s), ("status", short),
+                 ("dev", "--export", short), ("no-such-verb",), ("dev",), ("apply", "--bad")]
+        out = [run_cli(*args) for args in runs]
+        shutil.copytree(template, t, dirs_exist_ok=True)
+        assert run_cli("apply", t, "--series", s).returncode == 0
+        shutil.copytree(template / "torch", t / "torch", dirs_exist_ok=True)  # reinstalled: left over
+        out += [run_cli("status", t, "--series", s), run_cli("revert", t, "--series", s)]
+        standin_checkout(co, template)
+        git("am", *[str(s / n) for n in (s / "series").read_text().split()], cwd=co)
+        out += [run_cli("status", co, "--series", s), run_cli("revert", co, "--series", s)]
+        (t / "torch" / "version.py").write_text("__version__ = '2.16.0'\n")
+        out += [run_cli("status", t), run_cli("apply", t)]
+        lines = [line for r in out for line in (r.stdout + r.stderr).splitlines()
+                 if not line.startswith("torch-patch: error: argument VERB: invalid choice")]  # argparse's
+        assert any("Neither stock nor patched" in line for line in lines)
+        assert [line for line in lines if len(line) > 100] == []
+    finally:
+        shutil.rmtree(short)

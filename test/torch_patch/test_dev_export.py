@@ -72,7 +72,7 @@ def test_dev_create_refuses_an_edited_torch(tmp_path, target, test_series):
     edited = target / TEST_FILES[0]
     edited.write_text(edited.read_text().replace("\ndef tree_flatten(", "\ndef tree_flatten_renamed(", 1))
     r = run_cli("dev", tmp_path / "dev", "--from", target, "--series", test_series)
-    assert r.returncode == 5 and f"cannot tell the stock files of {target}: modified: " in r.stderr
+    assert r.returncode == 5 and f"cannot tell the stock files of {target}:\nmodified: " in r.stderr
     assert not (tmp_path / "dev").exists()
 
 
@@ -220,4 +220,4 @@ def test_export_generic_cut_of_the_real_series(tmp_path, template):
     co = standin_checkout(tmp_path / "pytorch", template)
     assert git("am", "--keep-non-patch", *[str(generic / n) for n in names], cwd=co, check=False).returncode == 0
     r = run_cli("export", tmp_path / "bad", "--cut", "nope", "--from", template)
-    assert r.returncode == 5 and "invalid choice" in r.stderr
+    assert r.returncode == 2 and "invalid choice" in r.stderr

@@ -55,7 +55,7 @@ def test_real_series_apply_and_revert_on_a_real_torch(tmp_path):
     r = run("-m", "torch_patch", "stock-file", "torch/utils/_pytree.py")
     assert Path(r.stdout.strip()).read_bytes() == stock["torch/utils/_pytree.py"]
     r = run("-m", "torch_patch", "revert")
-    assert r.returncode == 0 and r.stdout.startswith(f"reverted: {head}; its "), r.stderr
+    assert r.returncode == 0 and r.stdout.startswith(f"reverted: {head}\nIts "), r.stderr
     assert {rel: (site / rel).read_bytes() if (site / rel).exists() else None for rel in stock} == stock
     assert not (site / ".torch-patch").exists()
     assert run("-c", probe).stdout == f"{site / 'torch' / '__init__.py'} False\n"

@@ -104,7 +104,7 @@ def test_install_refuses_a_torch_already_imported():
 
 
 def test_stock_modules_of_a_standin_target(target, test_series):
-    with pytest.raises(core.TorchPatchError, match=r"is not patched by torch-patch \(not applied: .*\): run "
+    with pytest.raises(core.TorchPatchError, match=r"is not patched by torch-patch:\nnot applied: .*\nRun "
                        r"`torch-patch apply` first") as e:
         stock.stock_modules(target)
     assert e.value.code == core.EXIT_NOT_APPLIED
@@ -119,5 +119,23 @@ def test_demo_names_torch_patch_apply_when_torch_is_not_patched(target):
     code = f"import sys\nsys.path.insert(0, {str(target)!r})\nfrom torch_patch import demo\nsys.exit(demo.main([]))"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
                        env=dict(os.environ, PYTHONPATH=str(REPO)))
-    assert r.returncode == 1 and "run `torch-patch apply` first" in r.stderr, r.stderr
+    assert r.returncode == 1 and "Run `torch-patch apply` first" in r.stderr, r.stderr
     assert r.stdout == ""
+
+
+def test_demo_shows_the_opt_in_line_it_writes(capsys, tmp_path):
+    """The line the demo's module opts its classes in with is the line it tells the reader to write,
+    and main() prints it (the sides' processes mocked: no export runs)."""
+    from unittest import mock
+
+    from torch_patch import demo
+
+    assert demo.REGISTER in demo.OUTPUTS and demo.REGISTER in demo.opt_in()
+    results = {"stock": {"info": {"torch": "2", "transformers": None, "has_family": False}},
+               "patched": {"family": {"ok": True, "text": "ok"}}}
+    with mock.patch.object(demo.stock, "stock_modules", return_value={}), \
+            mock.patch.object(demo, "_run_side", side_effect=lambda tmp, side: results[side]), \
+            mock.patch.object(demo, "opt_in", wraps=demo.opt_in) as opt_in:
+        assert demo.main([]) == 0
+    opt_in.assert_called_once_with()
+    assert f"\n    {demo.REGISTER}\n" in capsys.readouterr().out
