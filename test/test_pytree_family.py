@@ -7,6 +7,7 @@ present and future, become pytree nodes, while exact registrations keep
 precedence. See ``torch.utils._pytree.register_pytree_family``.
 """
 
+import contextlib
 import dataclasses
 import gc
 import re
@@ -240,7 +241,10 @@ class TestPytreeFamilyResolution(FamilyTestCase):
                 Special, lambda p: ([], None), lambda v, c: Special(0)
             )
 
-    def test_removing_an_exact_registration_returns_to_the_family(self) -> None:
+    def test_deregistering_a_member_makes_it_a_leaf(self) -> None:
+        # As for any class: code that replaces a library's registration with
+        # its own (onnx-diagnostic does, for transformers' caches and outputs)
+        # removes it, checks that it is gone, and registers its own.
         @dataclasses.dataclass
         class Base:
             x: Any
@@ -250,21 +254,34 @@ class TestPytreeFamilyResolution(FamilyTestCase):
             y: Any = None
 
         self.register_family(Base)
-        for registrar in _PYTREE_MODULES:
-            registrar.register_pytree_node(
-                Member,
-                lambda m: ([m.y], m.x),
-                lambda values, x: Member(x, next(iter(values))),
-                serialized_type_name="test.Member",
+        for exact in (False, True):
+            if exact:
+                py_pytree.register_pytree_node(
+                    Member,
+                    lambda m: ([m.y], m.x),
+                    lambda values, x: Member(x, next(iter(values))),
+                    serialized_type_name="test.Member",
+                )
+            self.assertEqual(
+                py_pytree.tree_leaves(Member(1, 2)), [2] if exact else [1, 2]
+            )
+            py_pytree._deregister_pytree_node(Member)
+            if cxx_pytree is not None:  # as the callers of stock's do
+                with contextlib.suppress(ValueError):  # 2.15 unregisters it too
+                    cxx_pytree.optree.unregister_pytree_node(Member, namespace="torch")
+            self.assertNotIn(Member, py_pytree.SUPPORTED_NODES)
+            self.assertNotIn("test.Member", py_pytree.SERIALIZED_TYPE_TO_PYTHON_TYPE)
+            obj = Member(1, 2)
+            for pytree in _PYTREE_MODULES:
+                self.assertEqual(pytree.tree_leaves(obj), [obj])
+            # the caller's own registration, in both pytrees
+            self.register_node(
+                py_pytree, Member, lambda m: ([m.x], m.y), lambda v, y: Member(*v, y)
             )
             for pytree in _PYTREE_MODULES:
-                self.assertEqual(pytree.tree_leaves(Member(1, 2)), [2])
-            py_pytree._deregister_pytree_node(Member)
-            for pytree in _PYTREE_MODULES:
-                leaves, spec = pytree.tree_flatten(Member(1, 2))
-                self.assertEqual(leaves, [1, 2])
-                self.assertEqual(pytree.tree_unflatten(leaves, spec), Member(1, 2))
-            self.assertNotIn("test.Member", py_pytree.SERIALIZED_TYPE_TO_PYTHON_TYPE)
+                self.assertEqual(pytree.tree_leaves(obj), [1])
+            self.doCleanups()
+            self.register_family(Base)
 
     def test_replacing_a_registration_never_shows_a_leaf(self) -> None:
         # Flatten at every line that registering and deregistering run: a
@@ -295,10 +312,16 @@ class TestPytreeFamilyResolution(FamilyTestCase):
                 registrar.register_pytree_node(
                     Member, lambda m: ([m.x], m.y), lambda v, y: Member(*v, y)
                 )
-                py_pytree._deregister_pytree_node(Member)
             finally:
                 sys.settrace(None)
-        self.assertEqual(seen, {1, 2})
+            self.assertEqual(seen, {1, 2})
+            seen.clear()
+            py_pytree._deregister_pytree_node(Member)  # and back to the family
+            if cxx_pytree is not None:
+                with contextlib.suppress(ValueError):  # 2.15 unregisters it too
+                    cxx_pytree.optree.unregister_pytree_node(Member, namespace="torch")
+            py_pytree._deregister_pytree_family(Base)
+            py_pytree.register_pytree_family(Base)
 
     def test_exact_registration_before_family_is_kept(self) -> None:
         @dataclasses.dataclass

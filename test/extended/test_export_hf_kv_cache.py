@@ -471,6 +471,26 @@ class TestExportHFKVCache(TestCase):
             self.assertTrue(ep.range_constraints)
         _run_steps(self, ep.module(), step, state, tokens[1:])
 
+    @unittest.skipIf(not HAS_CACHE_LAYERS, "needs transformers >= 4.56 cache layers")
+    @parametrize("strict", [True, False])
+    @parametrize("case", list(CACHE_CASES))
+    def test_decode_step_with_mirror_shapes(self, case, strict):
+        # dynamic_shapes as tree_map over the cache writes them: an object of the
+        # cache's class with a spec where the cache holds a tensor or an int
+        step, state = _build_case(case)
+        tokens = self._tokens()
+
+        def spec(leaf):
+            if isinstance(leaf, torch.Tensor):
+                return dict.fromkeys(range(leaf.dim()), Dim.AUTO)
+            return Dim.AUTO if type(leaf) is int else None
+
+        mirror = py_pytree.tree_map(spec, state[-1])
+        self.assertIs(type(mirror), type(state[-1]))
+        shapes = (None, *[None] * (len(state) - 1), mirror)
+        ep = _export(step, tokens[0], state, shapes, strict)
+        _run_steps(self, ep.module(), step, state, tokens[1:])
+
     @unittest.skipIf(not HAS_TUPLE_CACHE, "needs transformers without cache_utils")
     @parametrize("strict", [True, False])
     @parametrize("case", TUPLE_CASES)
@@ -642,6 +662,14 @@ class TestExportHFModelOutputWithCache(TestCase):
     "transformers 4.31.0 has no transformers.cache_utils (tuple past_key_values)",
 )
 class TestHFCacheFamily(TestCase):
+    def test_an_exporter_replaces_the_registrations(self):
+        # what onnx-diagnostic does on entering torch_export_patches: remove
+        # transformers' registrations (a lazy family's and transformers' own),
+        # check that they are gone, and register its own
+        result = run_python(_REPLACE_REGISTRATIONS)
+        self.assertEqual(result["registered_after_removal"], [False, False])
+        self.assertEqual(result["leaves"], {"py": [4, 1], "cxx": [4, 1]})
+
     def _gpt2_cache(self):
         mod, (input_ids,) = _model_with_cache("gpt2")
         with torch.no_grad():
@@ -810,6 +838,46 @@ class TestHFCacheFamily(TestCase):
         for new, old in zip(rebuilt.layers, cache.layers):
             self.assertIs(new.keys, old.keys)
             self.assertIs(new.values, old.values)
+
+
+_REPLACE_REGISTRATIONS = """
+import json
+import torch, transformers
+import torch.utils._cxx_pytree as cxx_pytree
+import torch.utils._pytree as pytree
+from transformers.cache_utils import DynamicCache
+from transformers.modeling_outputs import BaseModelOutput
+
+functions = {
+    DynamicCache: (
+        lambda c: ([[l.keys for l in c.layers], [l.values for l in c.layers]], None),
+        lambda v, _: DynamicCache(list(zip(*v))),
+    ),
+    BaseModelOutput: (
+        lambda o: ([o.last_hidden_state], None),
+        lambda v, _: BaseModelOutput(last_hidden_state=v[0]),
+    ),
+}
+removed = []
+for cls, (flatten, unflatten) in functions.items():
+    if cls in pytree.SUPPORTED_NODES:  # on stock torch, DynamicCache is not
+        pytree._deregister_pytree_node(cls)
+        try:  # torch 2.15's _deregister_pytree_node does it too
+            cxx_pytree.optree.unregister_pytree_node(cls, namespace="torch")
+        except ValueError:
+            pass
+    removed.append(cls in pytree.SUPPORTED_NODES)
+    pytree.register_pytree_node(cls, flatten, unflatten)
+cache = DynamicCache()
+for i in range(2):
+    cache.update(torch.ones(1, 2, 3, 4), torch.ones(1, 2, 3, 4), i)
+output = BaseModelOutput(last_hidden_state=torch.ones(2))
+leaves = {
+    name: [len(module.tree_leaves(cache)), len(module.tree_leaves(output))]
+    for name, module in (("py", pytree), ("cxx", cxx_pytree))
+}
+print(json.dumps({"registered_after_removal": removed, "leaves": leaves}))
+"""
 
 
 @requires_transformers
