@@ -117,19 +117,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         else:
             dev_create(args.dir, source=args.source, series_dir=args.series)
     except core.TorchPatchError as e:
-        return _fail(args, str(e), e.code)
+        message, code = str(e), e.code
     except OSError as e:
-        return _fail(args, core.oserror(e), core.EXIT_ERROR)
+        message, code = core.oserror(e), core.EXIT_ERROR
     except KeyboardInterrupt:  # apply and revert say what they left: a TorchPatchError
-        return _fail(args, "stopped by Ctrl-C", core.EXIT_SIGINT)
-    return 0
-
-
-def _fail(args, message: str, code: int) -> int:
+        message, code = "stopped by Ctrl-C", core.EXIT_SIGINT
+    else:
+        return 0
     if getattr(args, "json", False):
         print(json.dumps({"state": "error", "code": code, "message": message}, indent=2,
                          sort_keys=True))
     else:
         print(f"torch-patch: error: {message}", file=sys.stderr, flush=True)
     return code
-

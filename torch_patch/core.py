@@ -68,7 +68,7 @@ def run_git(args: List[str], cwd: Path, *, env: Optional[Dict[str, str]] = None,
 @dataclasses.dataclass
 class Series:
     dir: Path
-    label: str  # "series 2.13" (or "series DIR")
+    label: str  # "series 2.13" (or "series DIR", or "an earlier series": one applied before)
     patches: List[Patch]
     files: List[str]  # every file the series touches
     created: List[str]  # the files it adds
@@ -175,8 +175,7 @@ def _mismatch(t: Target) -> TorchPatchError:
 
 def _apply(series: Series, files: Files, reverse=False, only: Optional[str] = None
            ) -> Tuple[Files, str]:
-    """What `git apply` (``reverse``: `-R`) of the series (``only``: its part for that file) makes
-    of ``files``, in a private directory; ({}, why) if it does not apply."""
+    """What `git apply` (-R if ``reverse``; of file ``only``) makes of ``files``, or ({}, why)."""
     patches = [p for p in series.patches if only is None or only in p.files][::-1 if reverse else 1]
     if not patches:
         return dict(files), ""
@@ -208,7 +207,6 @@ class Exam:
     t: Target
     series: Series
     saved: bool  # the stock versions come from the state dir
-    label: str  # the series, as messages name it
     current: Files
     stock: Files
     patched: Files
@@ -227,7 +225,7 @@ class Exam:
     def head(self) -> str:  # what the status line says after the state
         n = len(self.series.patches)
         patches = "1 patch" if n == 1 else f"{n} patches"
-        return f"{patches} ({self.label}) on torch {self.t.version} at {self.t.root}"
+        return f"{patches} ({self.series.label}) on torch {self.t.version} at {self.t.root}"
 
 
 def _current(t: Target, series: Series) -> Files:
@@ -240,38 +238,31 @@ def _current(t: Target, series: Series) -> Files:
     return {rel: _read(t.root / rel) for rel in series.files}
 
 
-def _fresh(t: Target, series: Series) -> Exam:
-    """The files against what the series does to them, both ways: all files, else each one."""
+def examine(t: Target, series: Series, use_saved: bool = True) -> Exam:
+    """The files against the saved series while any of it is applied, else against ``series``."""
+    if use_saved and t.saved.is_dir():
+        saved = load_series(t.saved / "patches")
+        stock = {rel: _read(t.saved / "orig" / rel) for rel in saved.files}
+        patched, why = _apply(saved, stock)
+        if not patched and saved.files:
+            raise TorchPatchError(f"the stock files saved in {t.saved} do not take their series.\n"
+                                  f"{why}\nRemove {t.saved}.")
+        saved.label = series.label if saved.same(series) else "an earlier series"
+        ex = Exam(t, saved, True, _current(t, saved), stock, patched)
+        fresh = examine(t, series, False) if ex.of(OTHER) or not ex.of(PATCHED) else None
+        if fresh and (not ex.of(PATCHED, OTHER) or not fresh.of(PATCHED, OTHER)):
+            return fresh  # none of the saved series is applied, or another release's stock files
+        return ex
     cur = _current(t, series)
     patched, why = _apply(series, cur)
-    if patched or not cur:
-        return Exam(t, series, False, series.label, cur, dict(cur), patched)
-    stock = _apply(series, cur, reverse=True)[0]
-    ex = Exam(t, series, False, series.label, cur, stock, dict(cur) if stock else {},
+    stock = dict(cur) if patched else _apply(series, cur, reverse=True)[0]
+    ex = Exam(t, series, False, cur, stock, patched or (dict(cur) if stock else {}),
               "" if stock else why)
     for rel in [] if stock else series.files:
         fwd = _apply(series, {rel: cur[rel]}, only=rel)[0]
         back = {} if fwd else _apply(series, {rel: cur[rel]}, reverse=True, only=rel)[0]
         if fwd or back:
             ex.stock[rel], ex.patched[rel] = (cur[rel], fwd[rel]) if fwd else (back[rel], cur[rel])
-    return ex
-
-
-def examine(t: Target, series: Series) -> Exam:
-    """The files against the saved series while any of it is applied, else against ``series``."""
-    if not t.saved.is_dir():
-        return _fresh(t, series)
-    saved = load_series(t.saved / "patches")
-    stock = {rel: _read(t.saved / "orig" / rel) for rel in saved.files}
-    patched, why = _apply(saved, stock)
-    if not patched and saved.files:
-        raise TorchPatchError(f"the stock files saved in {t.saved} do not take their series.\n"
-                              f"{why}\nRemove {t.saved}.")
-    label = series.label if saved.same(series) else "an earlier series"
-    ex = Exam(t, saved, True, label, _current(t, saved), stock, patched)
-    fresh = _fresh(t, series) if ex.of(OTHER) or not ex.of(PATCHED) else None
-    if fresh and (not ex.of(PATCHED, OTHER) or not fresh.of(PATCHED, OTHER)):
-        return fresh  # none of the saved series is applied, or another release's stock files
     return ex
 
 
@@ -298,14 +289,12 @@ def _state(ex: Exam) -> Tuple[int, str, str]:
     if not patched:
         return EXIT_NOT_APPLIED, "not applied", f"not applied: {ex.head}"
     if len(patched) == len(ex.kinds):
-        note = ""
-        if ex.label == "an earlier series":
+        note = "" if ex.saved else "\nNot by torch-patch (e.g. plain `git apply`)."
+        if ex.series.label == "an earlier series":
             note = (f"\ntorch_patch now has another series for {t.line}: "
                     f"`torch-patch apply {t.arg}` replaces it.")
         elif not ex.saved and _committed(t, patched):
             note = "\nCommitted in this checkout (e.g. with `git am`)."
-        elif not ex.saved:
-            note = "\nNot by torch-patch (e.g. plain `git apply`)."
         return EXIT_APPLIED, "applied", f"applied: {ex.head}{note}"
     if set(patched) <= set(ex.series.created):
         return EXIT_NOT_APPLIED, "not applied", (
@@ -318,8 +307,7 @@ def _state(ex: Exam) -> Tuple[int, str, str]:
 @contextlib.contextmanager
 def _locked(t: Target, verb: str = "", series: Optional[Series] = None,
             log: Log = lambda message: print(message, file=sys.stderr)) -> Iterator[None]:
-    """One torch-patch at a time per target: a flock on its root, exclusive while ``verb`` changes
-    files; then an OSError or Ctrl-C becomes an error that also says what the target is now."""
+    """One torch-patch per target (a flock); while ``verb`` changes files, errors say the state."""
     fd, mode = os.open(t.root, os.O_RDONLY), fcntl.LOCK_EX if verb else fcntl.LOCK_SH
     try:
         try:
@@ -365,25 +353,20 @@ def _forget(t: Target, keep_dir: bool = False) -> None:
         t.state_dir.rmdir()
 
 
-def _save(ex: Exam) -> None:
-    """Keep the stock files and the series before the first file changes (all or none)."""
-    if ex.saved:
-        return
-    tmp = ex.t.state_dir / "saved.tmp"
-    _forget(ex.t, keep_dir=True)
-    write_files(tmp / "orig", ex.stock)
-    names = "".join(f"{p.name}\n" for p in ex.series.patches).encode()
-    write_files(tmp / "patches", {"series": names, **{p.name: p.data for p in ex.series.patches}})
-    os.rename(tmp, ex.t.saved)
-    ex.saved = True
-
-
 def _switch(ex: Exam, to: str) -> None:
-    """Each file to its stock or patched version, by an os.replace of a copy written next to it."""
+    """Save the stock files and series (all or none), then switch each file by an os.replace."""
+    if not ex.saved:
+        tmp = ex.t.state_dir / "saved.tmp"
+        _forget(ex.t, keep_dir=True)
+        write_files(tmp / "orig", ex.stock)
+        names = "".join(f"{p.name}\n" for p in ex.series.patches).encode()
+        write_files(tmp / "patches",
+                    {"series": names, **{p.name: p.data for p in ex.series.patches}})
+        os.rename(tmp, ex.t.saved)
+        ex.saved = True
     want = ex.stock if to == STOCK else ex.patched
-    order = sorted(ex.series.files, key=lambda rel: (rel in ex.series.created, rel),
-                   reverse=to == STOCK)
-    for rel in order:
+    for rel in sorted(ex.series.files, key=lambda rel: (rel in ex.series.created, rel),
+                      reverse=to == STOCK):
         path = ex.t.root / rel
         tmp = path.with_name(f".{path.name}.torch-patch-tmp")
         tmp.unlink(missing_ok=True)  # left by a killed run
@@ -399,15 +382,14 @@ def _switch(ex: Exam, to: str) -> None:
             finally:
                 tmp.unlink(missing_ok=True)
         ex.current[rel] = want[rel]
-    if any(os.path.realpath(p or ".") == os.path.realpath(ex.t.root) for p in sys.path):
-        import py_compile  # the bytecode of a torch this Python imports, for read-only processes
-        mode = py_compile.PycInvalidationMode.TIMESTAMP
-        for rel in ex.series.files:
-            path = ex.t.root / rel
-            if rel.endswith(".py") and want[rel] is not None:
-                with contextlib.suppress(OSError):
-                    if not path.parent.joinpath("__pycache__").is_symlink():
-                        py_compile.compile(str(path), quiet=2, invalidation_mode=mode)
+    if not any(os.path.realpath(p or ".") == os.path.realpath(ex.t.root) for p in sys.path):
+        return
+    import py_compile  # the bytecode of a torch this Python imports, for read-only processes
+    for path in (ex.t.root / rel for rel in ex.series.files if want[rel] is not None):
+        with contextlib.suppress(OSError):
+            if path.suffix == ".py" and not (path.parent / "__pycache__").is_symlink():
+                py_compile.compile(str(path), quiet=2,
+                                   invalidation_mode=py_compile.PycInvalidationMode.TIMESTAMP)
 
 
 def _revert(ex: Exam, force: bool) -> None:
@@ -420,15 +402,13 @@ def _revert(ex: Exam, force: bool) -> None:
             "and revert changes only the working tree. Remove the commits with git\n"
             f"(`git revert`, or `git reset --hard v{t.release}` on a branch made for them).",
             EXIT_MODIFIED)
-    _save(ex)
     _switch(ex, STOCK)
     _forget(t)
 
 
 def apply(target: Optional[os.PathLike] = None, *, series_dir: Optional[os.PathLike] = None,
           allow_system: bool = False, force: bool = False, log: Log = print) -> None:
-    """Apply the series of the target's line (default target: the torch this Python imports),
-    reverting an earlier one first; files neither stock nor patched need ``force``."""
+    """Apply the target's series (reverting an earlier one); edited files need ``force``."""
     t = resolve_target(target, allow_system=allow_system)
     series = load_series(series_dir, line=t.line)
     with _locked(t, "apply", series, log):
@@ -442,15 +422,13 @@ def apply(target: Optional[os.PathLike] = None, *, series_dir: Optional[os.PathL
             raise TorchPatchError("\n".join(filter(None, ["cannot apply:", message, ex.failure])),
                                   code)
         if code != EXIT_APPLIED:
-            _save(ex)
             _switch(ex, PATCHED)
     log(f"already {message}\nNothing to do." if code == EXIT_APPLIED else _state(ex)[2])
 
 
 def revert(target: Optional[os.PathLike] = None, *, force: bool = False, allow_system: bool = False,
            series_dir: Optional[os.PathLike] = None, log: Log = print) -> None:
-    """Put the stock files back: the saved ones, or what `git apply -R` makes. Files neither stock
-    nor patched (unless ``force``), or a series committed in a checkout: exit code 6."""
+    """Put the stock files back; edited files (without ``force``), committed series: exit 6."""
     t = resolve_target(target, allow_system=allow_system, verb="revert")
     series = load_series(series_dir, line=t.line)
     with _locked(t, "revert", series, log):
@@ -505,8 +483,7 @@ def stock_file_path(path: str, target: Optional[os.PathLike] = None, *,
                     series_dir: Optional[os.PathLike] = None) -> Path:
     """The path of the stock version of PATH: the saved one if the file is patched, else PATH."""
     t = resolve_target(target, require_venv=False)
-    rel = os.path.relpath(os.path.abspath(path), t.root) if os.path.isabs(path) else \
-        Path(path).as_posix()
+    rel = os.path.relpath(path, t.root) if os.path.isabs(path) else Path(path).as_posix()
     st = status(t.root, series_dir=series_dir)
     if rel in st.stock_files or (rel not in st.files and rel.startswith("torch/")
                                  and (t.root / rel).is_file()):

@@ -68,11 +68,9 @@ def dev_create(dev_dir: os.PathLike, *, source: Optional[os.PathLike] = None,
             "(the stock files, no __pycache__)…")
         shutil.copytree(src.root / "torch", dev_dir / "torch", symlinks=True, dirs_exist_ok=True,
                         ignore=shutil.ignore_patterns("__pycache__"))
-        for rel, data in stock.items():  # where the installed torch is patched
-            if data is None:
-                (dev_dir / rel).unlink(missing_ok=True)
-            else:
-                (dev_dir / rel).write_bytes(data)
+        write_files(dev_dir, stock)  # where the installed torch is patched
+        for rel in [rel for rel, data in stock.items() if data is None]:
+            (dev_dir / rel).unlink(missing_ok=True)
         (dev_dir / ".gitignore").write_text("*\n!*/\n!*.py\n!.gitignore\n", encoding="utf-8")
         init_repo(dev_dir, src.release)
         git_am(dev_dir, [p.path for p in series.patches])
@@ -131,25 +129,22 @@ def dev_export(dev_dir: Optional[os.PathLike] = None, *,
                                       "Library patches change only torch/ (tests: test/ here).")
     lines = list(RELEASE_LINES)
     earlier = lines[:lines.index(out.name)] if out.name in lines else []
-    # A patch that is the same change as a file of an earlier line is that file (its number may
-    # differ: a line can lack a patch whose change its release already has)
+    # a patch with the same change as a patch file of an earlier line is that file (of any number)
     shared = {f"../{line}/{f.name}": f.read_bytes()
               for line in earlier for f in sorted((out.parent / line).glob("*.patch"))}
     entries = {name: next((e for e, old in shared.items() if same_change(old, data)), name)
                for name, data in new.items()}
     out.mkdir(parents=True, exist_ok=True)
-    written = [n for n, data in new.items() if entries[n] == n and _read(out / n) != data]
+    written = {n: data for n, data in new.items() if entries[n] == n and _read(out / n) != data}
     removed = [p.name for p in sorted(out.glob("*.patch")) if entries.get(p.name) != p.name]
-    for name in written:
-        (out / name).write_bytes(new[name])
+    write_files(out, written)
     for name in removed:
         (out / name).unlink()
     series_file = "".join(f"{e}\n" for e in entries.values()).encode()
     if _read(out / "series") != series_file:
         (out / "series").write_bytes(series_file)
-    shared_count = sum("/" in e for e in entries.values())
-    log(f"exported {len(new)} patches from {dev_dir} ({tag}..HEAD) to {out}:\n"
-        f"{len(written)} written, {shared_count} shared with an earlier release line, "
+    log(f"exported {len(new)} patches from {dev_dir} ({tag}..HEAD) to {out}:\n{len(written)} "
+        f"written, {sum('/' in e for e in entries.values())} shared with an earlier release line, "
         f"{len(removed)} removed.")
     if removed:
         log(f"removed: {', '.join(removed)}")
@@ -183,11 +178,19 @@ def _needs(named: str, repo: Path, available: List[str]) -> List[str]:
     return sorted(needed)
 
 
+def _commit(work: Path, repo: Path, names: List[str], env: Dict[str, str], *args: str) -> None:
+    """Copy the files ``names`` of ``repo`` into ``work`` and commit them (``args``: how)."""
+    for f in names:  # in test/ or benchmarks/: no file of the library series, added once
+        (work / f).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(repo / f, work / f)
+    run_git(["add", "-f", "--", *names], work, env=git_env(env))
+    run_git(["commit", "-q", "--no-verify", *args], work, env=git_env(env))
+
+
 def export(outdir: os.PathLike, *, force: bool = False, series_dir: Optional[os.PathLike] = None,
            repo: Optional[os.PathLike] = None, source: Optional[os.PathLike] = None,
            cut: str = "full", log: Log = print) -> List[str]:
-    """Write the upstream series into OUTDIR; ``cut="generic"``: only the patches before the first
-    whose added lines name a HuggingFace library."""
+    """Write the upstream series into OUTDIR (``cut="generic"``: its HuggingFace-free start)."""
     outdir = Path(outdir).expanduser().resolve()
     if outdir.exists() and any(outdir.iterdir()) and not force:
         raise TorchPatchError(f"{outdir} exists and is not empty.\n"
@@ -201,14 +204,15 @@ def export(outdir: os.PathLike, *, force: bool = False, series_dir: Optional[os.
     local = ("test/torch_patch/", "test/extended/")  # the tool's tests, and the suites kept here
     files = {"test": [f for f in repo_files(repo, "test") if not f.startswith(local)],
              "benchmarks": repo_files(repo, "benchmarks")}
-    available, library, per_patch = files["test"] + files["benchmarks"], series.patches, []
+    available, library = files["test"] + files["benchmarks"], series.patches
+    per_patch, claimed = [], set()
     for patch in library:  # each library patch carries the files its Test Plan names first
         message = patch.data.decode(errors="replace").split("\n---\n", 1)[0]
         plan = message.partition("\nTest Plan:")[2]
         named = re.findall(r"^\s*python3?\s+(\S+\.py)\b", plan, re.M)
-        taken = {f for earlier in per_patch for f in earlier}
         per_patch.append(sorted({f for n in named if n in available
-                                 for f in _needs(n, repo, available)} - taken))
+                                 for f in _needs(n, repo, available)} - claimed))
+        claimed.update(per_patch[-1])
     if cut == "generic":
         hf = re.compile(r"^\+(?!\+\+).*\b(?:transformers|diffusers|HuggingFace|huggingface)\b",
                         re.M)  # an added line that names a HuggingFace library
@@ -218,58 +222,38 @@ def export(outdir: os.PathLike, *, force: bool = False, series_dir: Optional[os.
         if keep == 0:
             raise TorchPatchError("the series has no generic part: its first patch is already "
                                   "HuggingFace-specific")
-        dropped = {f for later in per_patch[keep:] for f in later}
-        files = {kind: [f for f in names if f not in dropped] for kind, names in files.items()}
         library, per_patch = library[:keep], per_patch[:keep]
         log(f"generic cut: {keep} of {len(series.patches)} library patches (up to "
-            f"{library[-1].name}),\nwithout the {len(dropped)} files only the others' Test Plans "
-            "name")
-    in_library = {f for carried in per_patch for f in carried}
+            f"{library[-1].name}),\nwithout the {len(claimed) - sum(map(len, per_patch))} files "
+            "only the others' Test Plans name")
     with tempfile.TemporaryDirectory(prefix="torch-patch-export-") as tmp:
-        work, env = Path(tmp) / "pytorch", git_env(FIXED_IDENTITY)
-
-        def add(names: List[str]) -> None:
-            for f in names:
-                if (work / f).exists():
-                    raise TorchPatchError(f"{f} would overwrite a file of the library series; "
-                                          "rename it")
-                (work / f).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy(repo / f, work / f)
-            run_git(["add", "-f", "--", *names], work, env=env)
-
+        work, last = Path(tmp) / "pytorch", FIXED_IDENTITY
         write_files(work, stock_versions(src, series))
         (work / "README").write_text(f"stand-in for pytorch v{release}: only the files the "
                                      "series touches\n")
         init_repo(work, release)
         for patch, carried in zip(library, per_patch):
             git_am(work, [patch.path])
+            author = run_git(["log", "-1", "--format=%an%n%ae%n%aI"], work).stdout.decode()
+            last = identity(*author.split("\n")[:3])  # for the amend, and the commits on top
             if carried:
-                add(carried)
-                date = run_git(["log", "-1", "--format=%aI"], work, env=env).stdout.decode()
-                run_git(["commit", "-q", "--amend", "--no-edit", "--no-verify"], work,
-                        env=git_env(dict(FIXED_IDENTITY, GIT_COMMITTER_DATE=date.strip())))
-        # the commits on top carry the identity and date of the last library commit
-        last = run_git(["log", "-1", "--format=%an%n%ae%n%aI"], work, env=env).stdout.decode()
+                _commit(work, repo, carried, last, "--amend", "--no-edit")
         for kind, template in (("test", TESTS_COMMIT_MESSAGE),
                                ("benchmarks", BENCHMARKS_COMMIT_MESSAGE)):
-            rest = [f for f in files[kind] if f not in in_library]
+            rest = [f for f in files[kind] if f not in claimed]
             plan = "\n".join(f"    python {f}" for f in rest if f.endswith(".py") and (
                 kind == "benchmarks" or f.rsplit("/", 1)[-1].startswith("test_")))
             if rest:
-                add(rest)
-                run_git(["commit", "-q", "--no-verify", "-m",
-                         template.format(test_plan=plan or "    (no runnable files)")], work,
-                        env=git_env(identity(*last.split("\n")[:3]) if library else FIXED_IDENTITY))
-        out = Path(tmp) / "out"
-        names = [p.name for p in format_patches(work, f"v{release}..HEAD", out)]
-        (out / "series").write_text("".join(f"{n}\n" for n in names), encoding="utf-8")
-        outdir.mkdir(parents=True, exist_ok=True)  # only now: a failure leaves OUTDIR as it was
-        for old in list(outdir.glob("*.patch")) + [outdir / "series"] if force else []:
-            old.unlink(missing_ok=True)
-        for name in names + ["series"]:
-            shutil.copyfile(out / name, outdir / name)
-    log(f"exported {len(names)} patches to {outdir}:\n{len(library)} library patches with the "
-        f"{len(in_library)} files their Test Plans name,\nthen {len(names) - len(library)} commits "
-        f"of the other tests and benchmarks.\n"
+                _commit(work, repo, rest, last, "-m",
+                        template.format(test_plan=plan or "    (no runnable files)"))
+        patches = {f.name: f.read_bytes()
+                   for f in format_patches(work, f"v{release}..HEAD", Path(tmp) / "out")}
+    outdir.mkdir(parents=True, exist_ok=True)  # only now: a failure leaves OUTDIR as it was
+    for old in list(outdir.glob("*.patch")) + [outdir / "series"] if force else []:
+        old.unlink(missing_ok=True)
+    write_files(outdir, {**patches, "series": "".join(f"{n}\n" for n in patches).encode()})
+    log(f"exported {len(patches)} patches to {outdir}:\n{len(library)} library patches with the "
+        f"{sum(map(len, per_patch))} files their Test Plans name,\nthen "
+        f"{len(patches) - len(library)} commits of the other tests and benchmarks.\n"
         f"On a PyTorch v{release} checkout:  git am --keep-non-patch {outdir}/*.patch")
-    return names
+    return list(patches)

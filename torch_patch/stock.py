@@ -20,12 +20,8 @@ def stock_modules(target: Optional[os.PathLike] = None) -> Dict[str, Optional[st
         raise core.TorchPatchError(f"the torch at {st.target} is not patched by torch-patch:\n"
                                    f"{st.message}\nRun `torch-patch apply` first, then this again.",
                                    st.code or core.EXIT_ERROR)
-    modules = {}
-    for rel in st.files:
-        if rel.endswith(".py"):
-            name = rel[:-3].replace("/", ".").removesuffix(".__init__")
-            modules[name] = st.stock_files.get(rel)
-    return modules
+    return {rel[:-3].replace("/", ".").removesuffix(".__init__"): st.stock_files.get(rel)
+            for rel in st.files if rel.endswith(".py")}
 
 
 class _Loader(importlib.machinery.SourceFileLoader):

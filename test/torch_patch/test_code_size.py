@@ -1,0 +1,21 @@
+"""The tool's and CI's code stays one a maintainer reads at once: lines within 100 characters,
+and noxfile.py under 300 lines (its sessions; what they run lives in .ci/)."""
+
+from __future__ import annotations
+
+from tp_helpers import REPO
+
+SOURCES = sorted([*(REPO / "torch_patch").glob("*.py"), REPO / "noxfile.py",
+                  *(REPO / ".ci").glob("*.py"), *(REPO / ".ci" / "lint").glob("*.py")])
+
+
+def test_every_line_is_within_100_characters():
+    assert {"core.py", "cli.py", "noxfile.py", "lint_series.py"} <= {p.name for p in SOURCES}
+    long = [f"{path.relative_to(REPO)}:{number}" for path in SOURCES
+            for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+            if len(line) > 100]
+    assert not long, long
+
+
+def test_noxfile_is_under_300_lines():
+    assert len((REPO / "noxfile.py").read_text(encoding="utf-8").splitlines()) < 300
