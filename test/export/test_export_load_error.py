@@ -7,6 +7,7 @@ module registers."""
 import importlib
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -92,15 +93,15 @@ class TestExportLoadError(TestCase):
         )
         self.assertEqual(proc.returncode, 0, proc.stderr)
         result = json.loads(proc.stdout.splitlines()[-1])
+        error = result["error"]
         self.assertEqual(
-            result["error"],
-            {
-                "type": "RuntimeError",
-                "runtime_error": True,
-                "message": "We ran into an error when deserializing the saved file: "
-                f"Deserializing {MODULE}.DetectorOutput in pytree is not registered. "
-                + HINT,
-            },
+            (error["type"], error["runtime_error"]), ("RuntimeError", True)
+        )
+        # the pytree error's wording differs between releases; its fix does not
+        self.assertRegex(
+            error["message"],
+            "^We ran into an error when deserializing the saved file: Deserializing "
+            rf"{MODULE}\.DetectorOutput in pytree .*{re.escape(HINT)}$",
         )
         self.assertEqual(result["after_import"], "DetectorOutput")
 
