@@ -41,9 +41,10 @@ MODELS = ("llama", "gemma2", "t5")
 
 def _register_by_hand() -> None:
     """What stock torch needs before it can export a transformers cache."""
+    from transformers import cache_utils
+
     import torch
     import torch.utils._pytree as pytree
-    from transformers import cache_utils
 
     settings = (bool, str, type(None), type, torch.device, torch.dtype)
 
@@ -76,8 +77,9 @@ def _register_by_hand() -> None:
 
 def _model(name: str) -> tuple[Any, dict[str, Any], str]:
     """The model, the keyword arguments of a decode step, and the cache's keyword."""
-    import torch
     import transformers
+
+    import torch
 
     torch.manual_seed(0)
     small = {"vocab_size": 128, "num_attention_heads": 4}
