@@ -92,8 +92,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = _parser()
     try:  # a usage error: argparse's usage message, exit code 2
         args = parser.parse_args((sys.argv[1:] if argv is None else argv) or ["--help"])
-        if args.verb == "dev" and not (args.dir or args.export):
-            parser.verbs["dev"].error("dev needs DIR, the dev tree to create (or --export)")
+        if args.verb == "dev" and not args.dir:
+            parser.verbs["dev"].error("dev needs DIR: the dev tree to create (or to --export)")
     except SystemExit as e:
         return e.code
     try:

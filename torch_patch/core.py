@@ -27,6 +27,9 @@ STOCK, PATCHED, OTHER = "stock", "patched", "modified"
 Files = Dict[str, Optional[bytes]]  # a path in the target: its bytes (None: no such file)
 Log = Callable[[str], None]
 Patch = collections.namedtuple("Patch", "name path data files")
+FIXES = {errno.ENOSPC: "Free some space there", errno.EDQUOT: "Free some space there",
+         **dict.fromkeys((errno.EROFS, errno.EACCES, errno.EPERM),
+                         "Make it writable (or run as a user who may write there)")}
 
 
 class TorchPatchError(Exception):  # names the problem and the fix; ``code``: the exit code
@@ -165,9 +168,8 @@ def resolve_target(target: Optional[os.PathLike] = None, *, allow_system=False, 
 
 
 def _mismatch(t: Target) -> TorchPatchError:
-    major, minor = (int(n) for n in (re.findall(r"\d+", t.version or "") + ["0", "0"])[:2])
-    near = min(RELEASE_LINES.values(), key=lambda release: abs(  # 2.15.0 for 2.16.0
-        1000 * (int(release.split(".")[0]) - major) + int(release.split(".")[1]) - minor))
+    older = [int(n) for n in re.findall(r"\d+", t.version or "")[:2]] < [2, 13]
+    near = list(RELEASE_LINES.values())[0 if older else -1]  # every supported version has a line
     return TorchPatchError(f"base mismatch: torch {t.version or '(version unknown)'} at {t.root}\n"
                            f"The series are for torch {', '.join(RELEASE_LINES)}: install "
                            f"torch=={near} (or check out v{near}).", EXIT_BASE_MISMATCH)
@@ -321,14 +323,8 @@ def _locked(t: Target, verb: str = "", series: Optional[Series] = None,
             raise
         message, code = "stopped by Ctrl-C", EXIT_SIGINT
         if isinstance(e, OSError):
-            fix = "Fix that"
-            if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                fix = "Free some space there"
-            elif e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-                fix = "Make it writable (or run as a user who may write there)"
-            code = EXIT_ERROR
-            message = (f"{verb} failed: {oserror(e)}\n"
-                       f"{fix}, then run `torch-patch {verb} {t.arg}` again.")
+            message, code = (f"{verb} failed: {oserror(e)}\n{FIXES.get(e.errno, 'Fix that')}, "
+                             f"then run `torch-patch {verb} {t.arg}` again."), EXIT_ERROR
         try:
             message += f"\nThe target is now:\n{_state(examine(t, series))[2]}"
         except (TorchPatchError, OSError) as error:

@@ -11,8 +11,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from .core import (PATCHES_DIR, RELEASE_LINES, Log, TorchPatchError, _read, git_env, load_series,
-                   release_line, resolve_target, run_git, stock_versions, write_files)
-from .upstream import BENCHMARKS_COMMIT_MESSAGE, TESTS_COMMIT_MESSAGE
+                   resolve_target, run_git, stock_versions, write_files)
 
 
 def identity(name: str, email: str, date: str) -> Dict[str, str]:  # a commit's author, committer
@@ -27,6 +26,17 @@ FORMAT_PATCH_OPTS = [
     "format-patch", "--zero-commit", "--no-signature", "--full-index", "--no-numbered",
     "--no-renames", "--diff-algorithm=myers", "--src-prefix=a/", "--dst-prefix=b/",
     "--no-relative", "--no-thread", "--no-cover-letter", "--encode-email-headers", "--no-color"]
+# the message of the commit that `export` adds with the tests (or benchmarks) no Test Plan names
+REST_COMMIT_MESSAGE = """\
+[pytree] Add the pytree {kind} that no commit's Test Plan names
+
+Each commit of this series carries the {kind} its Test Plan names. No commit's
+Test Plan names these, so they come here, on top of the whole series.
+
+Test Plan:
+
+{test_plan}
+"""
 
 
 def init_repo(repo: Path, release: str) -> None:
@@ -92,24 +102,15 @@ def same_change(a: bytes, b: bytes) -> bool:
     return norm(a) == norm(b)
 
 
-def dev_export(dev_dir: Optional[os.PathLike] = None, *,
-               patches_dir: Optional[os.PathLike] = None, log: Log = print) -> List[str]:
+def dev_export(dev_dir: os.PathLike, *, patches_dir: Optional[os.PathLike] = None,
+               log: Log = print) -> List[str]:
     """Rewrite ``patches_dir`` (default: the series of the dev tree's line) from its commits."""
-    dev_dir = dev_dir or os.environ.get("TORCH_PATCH_DEV")
-    if not dev_dir:
-        raise TorchPatchError("no dev tree given: pass DIR, or set TORCH_PATCH_DEV")
-    dev_dir = Path(dev_dir).expanduser().resolve()
-    if not (dev_dir / ".git").exists():
-        raise TorchPatchError(f"{dev_dir} is not a dev tree (no .git).\n"
+    t = resolve_target(dev_dir, require_venv=False)
+    dev_dir, tag = t.root, f"v{t.release}"
+    if t.kind != "checkout" or run_git(["rev-parse", "-q", "--verify", f"{tag}^{{commit}}"],
+                                       dev_dir, check=False).returncode:
+        raise TorchPatchError(f"{dev_dir} is not a dev tree (a git checkout tagged {tag}).\n"
                               "Create one with `torch-patch dev DIR`.")
-    first = run_git(["rev-list", "--max-parents=0", "HEAD"], dev_dir).stdout.decode().split()
-    tags = run_git(["tag", "--list", "v*", *(f"--points-at={c}" for c in first)],
-                   dev_dir).stdout.decode().split()
-    tag = next((tag for tag in tags if release_line(tag[1:])), None)
-    if tag is None:
-        raise TorchPatchError(f"{dev_dir} has no tag of a supported release (e.g. "
-                              f"v{RELEASE_LINES['2.13']}) on its first commit.\n"
-                              "It is not a dev tree made by `torch-patch dev`.")
     dirty = run_git(["--no-optional-locks", "status", "--porcelain", "--untracked-files=no"],
                     dev_dir).stdout.decode().splitlines()
     if dirty:
@@ -119,7 +120,7 @@ def dev_export(dev_dir: Optional[os.PathLike] = None, *,
     if patches_dir is None and not (PATCHES_DIR.parent.parent / "setup.py").is_file():
         raise TorchPatchError(f"{PATCHES_DIR} is not in a torch_patch source checkout.\n"
                               "Install it with `pip install -e`, or pass --patches-dir.")
-    out = Path(patches_dir).resolve() if patches_dir else PATCHES_DIR / release_line(tag[1:])
+    out = Path(patches_dir).resolve() if patches_dir else PATCHES_DIR / t.line
     with tempfile.TemporaryDirectory(prefix="torch-patch-export-") as tmp:
         new = {f.name: f.read_bytes() for f in format_patches(dev_dir, f"{tag}..HEAD", Path(tmp))}
     for name, data in new.items():
@@ -238,14 +239,13 @@ def export(outdir: os.PathLike, *, force: bool = False, series_dir: Optional[os.
             last = identity(*author.split("\n")[:3])  # for the amend, and the commits on top
             if carried:
                 _commit(work, repo, carried, last, "--amend", "--no-edit")
-        for kind, template in (("test", TESTS_COMMIT_MESSAGE),
-                               ("benchmarks", BENCHMARKS_COMMIT_MESSAGE)):
+        for kind, what in (("test", "tests"), ("benchmarks", "benchmarks")):
             rest = [f for f in files[kind] if f not in claimed]
             plan = "\n".join(f"    python {f}" for f in rest if f.endswith(".py") and (
                 kind == "benchmarks" or f.rsplit("/", 1)[-1].startswith("test_")))
             if rest:
-                _commit(work, repo, rest, last, "-m",
-                        template.format(test_plan=plan or "    (no runnable files)"))
+                _commit(work, repo, rest, last, "-m", REST_COMMIT_MESSAGE.format(
+                    kind=what, test_plan=plan or "    (no runnable files)"))
         patches = {f.name: f.read_bytes()
                    for f in format_patches(work, f"v{release}..HEAD", Path(tmp) / "out")}
     outdir.mkdir(parents=True, exist_ok=True)  # only now: a failure leaves OUTDIR as it was

@@ -58,7 +58,8 @@ def test_documented_exit_codes_are_the_codes():
     (["no-such-verb"], "torch-patch: error: argument VERB: invalid choice: 'no-such-verb'"),
     (["apply", "--no-such-option"], "torch-patch: error: unrecognized arguments: --no-such-option"),
     (["stock-file"], "torch-patch stock-file: error: the following arguments are required: PATH"),
-    (["dev"], "torch-patch dev: error: dev needs DIR, the dev tree to create (or --export)")])
+    (["dev"], "torch-patch dev: error: dev needs DIR: the dev tree to create (or to --export)"),
+    (["dev", "--export"], "torch-patch dev: error: dev needs DIR: the dev tree to create (or to --export)")])
 def test_usage_error_exits_2_with_the_usage(args, error):
     """As argparse does: exit code 2, the usage, then the error (6, not 2, means modified)."""
     r = run_cli(*args)

@@ -43,8 +43,12 @@ def test_dev_export_refuses(tmp_path, template, empty_series):
     git("commit", "-q", "-m", "a test", cwd=tree)
     r = run_cli("dev", "--export", tree, "--patches-dir", tmp_path / "out")
     assert r.returncode == 5 and "touches test/test_x.py, outside torch/" in r.stderr
-    r = run_cli("dev", "--export", env_extra={"TORCH_PATCH_DEV": ""})
-    assert (r.returncode, r.stderr) == (5, "torch-patch: error: no dev tree given: pass DIR, or set TORCH_PATCH_DEV\n")
+    r = run_cli("dev", "--export", template, "--patches-dir", tmp_path / "out")  # an installed torch, no tag
+    assert (r.returncode, r.stderr) == (5, f"torch-patch: error: {template} is not a dev tree (a git checkout "
+                                           f"tagged v{RELEASE}).\nCreate one with `torch-patch dev DIR`.\n")
+    git("tag", "-d", f"v{RELEASE}", cwd=tree)
+    r = run_cli("dev", "--export", tree, "--patches-dir", tmp_path / "out")
+    assert r.returncode == 5 and f"{tree} is not a dev tree (a git checkout tagged v" in r.stderr
     assert not (tmp_path / "out").exists()
 
 
