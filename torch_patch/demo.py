@@ -3,7 +3,7 @@
 Run it with ``python -m torch_patch.demo`` after ``torch-patch apply``. Each side runs the steps in
 two subprocesses (export and run; then a fresh process that loads the saved programs), which write
 their results as JSON: the patched side with the torch as installed, the stock side with
-``torch_patch.stock``, which imports the modules the series changes from the stock files that
+``install_stock`` below, which imports the modules the series changes from the stock files that
 `torch-patch apply` saved. Then it prints a table: step | stock torch | patched torch, with the
 first sentence of each error. The models are built from tiny configs (random weights, nothing is
 downloaded).
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib.machinery
 import importlib.util
 import inspect
 import itertools
@@ -28,7 +29,7 @@ import time
 import warnings
 from pathlib import Path
 
-from . import core, stock
+from . import core
 
 STEPS = {
     "family": "your own dataclass outputs (a family): export, save, load in a fresh process, run",
@@ -77,6 +78,54 @@ def opt_in() -> str:
             f"class (import torch.utils._pytree as pytree):\n\n    {REGISTER}\n\n"
             "Output and every subclass of it, present and future, are then pytree nodes.")
 
+# The stock side: in a venv whose torch `torch-patch apply` patched, install_stock(stock_modules())
+# before torch imports the modules the series changes from the stock files that apply saved.
+
+
+def stock_modules(target: os.PathLike | None = None) -> dict[str, str | None]:
+    """Each module the applied series touches: its saved stock file (None: the series adds it)."""
+    st = core.status(target)
+    if st.code != core.EXIT_APPLIED or not st.stock_files:  # not applied, or applied by other means
+        raise core.TorchPatchError(f"the torch at {st.target} is not patched by torch-patch:\n"
+                                   f"{st.message}\nRun `torch-patch apply` first, then this again.",
+                                   st.code or core.EXIT_ERROR)
+    return {rel[:-3].replace("/", ".").removesuffix(".__init__"): st.stock_files.get(rel)
+            for rel in st.files if rel.endswith(".py")}
+
+
+class _Loader(importlib.machinery.SourceFileLoader):
+    def set_data(self, *args, **kwargs) -> None:  # no bytecode in the state dir
+        pass
+
+
+class StockFinder:  # a sys.meta_path finder of the stock modules
+    def __init__(self, modules: dict[str, str | None]):
+        self.modules = modules
+
+    def find_spec(self, name, path=None, target=None):
+        if name not in self.modules:
+            return None
+        stock = self.modules[name]
+        if stock is None:  # the series adds it: stock torch has no such module
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        package = None
+        if os.path.basename(stock) == "__init__.py":  # its submodules are the installed ones
+            spec = importlib.machinery.PathFinder.find_spec(name, path)
+            package = list(spec.submodule_search_locations) if spec else None
+        return importlib.util.spec_from_file_location(
+            name, stock, loader=_Loader(name, stock), submodule_search_locations=package)
+
+
+def install_stock(modules: dict[str, str | None]) -> StockFinder:
+    """Serve ``modules`` (from :func:`stock_modules`) from their stock files, before torch."""
+    imported = sorted(name for name in modules if name in sys.modules)
+    if imported:
+        raise RuntimeError(f"{', '.join(imported)} already imported: install the stock finder "
+                           "before torch")
+    finder = StockFinder(modules)
+    sys.meta_path.insert(0, finder)
+    return finder
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -102,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         return _child(*args.child)
     try:
-        modules = stock.stock_modules()
+        modules = stock_modules()
     except core.TorchPatchError as e:
         print(f"python -m torch_patch.demo: error: {e}", file=sys.stderr)
         return 1
@@ -167,7 +216,7 @@ def _run_side(tmp: Path, side: str) -> dict:
 def _child(stage: str, side_dir: str) -> int:
     d = Path(side_dir)
     if (d / "stock-modules.json").exists():
-        stock.install(json.loads((d / "stock-modules.json").read_text()))
+        install_stock(json.loads((d / "stock-modules.json").read_text()))
     warnings.simplefilter("ignore")  # the output is captured; a crash shows its last line
     import torch
     import torch.utils._pytree as pytree

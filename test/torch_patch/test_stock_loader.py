@@ -1,4 +1,4 @@
-"""torch_patch.stock, which the demo's stock column runs on: stock torch imported from the files that `apply`
+"""The demo's stock side (demo.install_stock): stock torch imported from the files that `apply`
 saved, in a venv whose torch is patched.
 
 Run: python -m pytest test/torch_patch -q
@@ -16,7 +16,7 @@ import pytest
 from tp_helpers import NEW_FILE, REPO, RUNNING, TEST_FILES
 
 import torch_patch
-from torch_patch import core, stock
+from torch_patch import core, demo
 
 # A dataclass whose base is registered as a family where torch has families: flattened into its tensor by
 # the patched pytree, a leaf in stock torch. Prints what the process imported, as JSON.
@@ -49,7 +49,7 @@ print(json.dumps({
     "onnx_path": list(torch.onnx.__path__),
 }))
 """
-RUN_PROBE = "import json, os, sys\nfrom torch_patch import stock\nstock.install(json.loads(os.environ['MODULES']))\n"
+RUN_PROBE = "import json, os, sys\nfrom torch_patch import demo\ndemo.install_stock(json.loads(os.environ['MODULES']))\n"
 
 st = core.status()
 applied = pytest.mark.skipif(st.code != core.EXIT_APPLIED or not st.stock_files, reason=f"needs this venv's torch "
@@ -66,7 +66,7 @@ def probe(modules=None) -> dict:
 
 @applied
 def test_stock_loader_imports_the_saved_stock_files():
-    modules = stock.stock_modules()
+    modules = demo.stock_modules()
     saved = RUNNING.root / ".torch-patch" / "saved" / "orig"
     assert modules["torch.utils._pytree"] == str(saved / "torch/utils/_pytree.py")
     assert modules["torch.onnx"] == str(saved / "torch/onnx/__init__.py")
@@ -95,7 +95,7 @@ def test_without_the_loader_the_same_code_gets_the_patched_torch():
 
 @applied
 def test_install_refuses_a_torch_already_imported():
-    code = "import torch, torch_patch.stock as s\ns.install(s.stock_modules())"
+    code = "import torch, torch_patch.demo as d\nd.install_stock(d.stock_modules())"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
                        env=dict(os.environ, PYTHONPATH=str(REPO)))
     last = r.stderr.strip().splitlines()[-1]
@@ -106,11 +106,11 @@ def test_install_refuses_a_torch_already_imported():
 def test_stock_modules_of_a_standin_target(target, test_series):
     with pytest.raises(core.TorchPatchError, match=r"is not patched by torch-patch:\nnot applied: .*\nRun "
                        r"`torch-patch apply` first") as e:
-        stock.stock_modules(target)
+        demo.stock_modules(target)
     assert e.value.code == core.EXIT_NOT_APPLIED
     torch_patch.apply(target, series_dir=test_series, log=lambda s: None)
     saved = target / ".torch-patch" / "saved" / "orig"
-    assert stock.stock_modules(target) == {"torch.utils._pytree": str(saved / TEST_FILES[0]),
+    assert demo.stock_modules(target) == {"torch.utils._pytree": str(saved / TEST_FILES[0]),
                                            "torch.utils._cxx_pytree": str(saved / TEST_FILES[1]),
                                            NEW_FILE[:-3].replace("/", "."): None}
 
@@ -133,7 +133,7 @@ def test_demo_shows_the_opt_in_line_it_writes(capsys, tmp_path):
     assert demo.REGISTER in demo.OUTPUTS and demo.REGISTER in demo.opt_in()
     results = {"stock": {"info": {"torch": "2", "transformers": None, "has_family": False}},
                "patched": {"family": {"ok": True, "text": "ok"}}}
-    with mock.patch.object(demo.stock, "stock_modules", return_value={}), \
+    with mock.patch.object(demo, "stock_modules", return_value={}), \
             mock.patch.object(demo, "_run_side", side_effect=lambda tmp, side: results[side]), \
             mock.patch.object(demo, "opt_in", wraps=demo.opt_in) as opt_in:
         assert demo.main([]) == 0
