@@ -472,11 +472,13 @@ class TestExportHFKVCache(TestCase):
         _run_steps(self, ep.module(), step, state, tokens[1:])
 
     @unittest.skipIf(not HAS_CACHE_LAYERS, "needs transformers >= 4.56 cache layers")
+    @parametrize("form", ["mirror", "children"])
     @parametrize("strict", [True, False])
     @parametrize("case", list(CACHE_CASES))
-    def test_decode_step_with_mirror_shapes(self, case, strict):
-        # dynamic_shapes as tree_map over the cache writes them: an object of the
-        # cache's class with a spec where the cache holds a tensor or an int
+    def test_decode_step_with_shapes_as_users_write_them(self, case, strict, form):
+        # mirror: tree_map over the cache, an object of the cache's class with a
+        # spec where the cache holds a tensor or an int; children: the same specs
+        # as nested lists of each registered node's children
         step, state = _build_case(case)
         tokens = self._tokens()
 
@@ -485,9 +487,23 @@ class TestExportHFKVCache(TestCase):
                 return dict.fromkeys(range(leaf.dim()), Dim.AUTO)
             return Dim.AUTO if type(leaf) is int else None
 
-        mirror = py_pytree.tree_map(spec, state[-1])
-        self.assertIs(type(mirror), type(state[-1]))
-        shapes = (None, *[None] * (len(state) - 1), mirror)
+        def children(node):
+            if type(node) in (list, tuple):
+                return type(node)(map(children, node))
+            if type(node) is dict:
+                return {key: children(value) for key, value in node.items()}
+            if py_pytree.tree_is_leaf(node):
+                return spec(node)
+            # one level down: every child of the node is a leaf of this flatten
+            return list(map(children, py_pytree.tree_leaves(node, lambda x: x is not node)))
+
+        if form == "mirror":
+            shape = py_pytree.tree_map(spec, state[-1])
+            self.assertIs(type(shape), type(state[-1]))
+        else:
+            shape = children(state[-1])
+            self.assertIs(type(shape), list)
+        shapes = (None, *[None] * (len(state) - 1), shape)
         ep = _export(step, tokens[0], state, shapes, strict)
         _run_steps(self, ep.module(), step, state, tokens[1:])
 
