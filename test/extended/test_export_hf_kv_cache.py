@@ -266,11 +266,12 @@ TUPLE_CASES = ("gpt2", "t5", "bart")
 FULLY_STATIC_CASES = ("gpt2_static", "mamba_linear_attention")
 
 
-def _build_case(case):
-    """Return ``(step module, example args after prefill, the model's cache kind)``."""
+def _build_case(case, prompt=None):
+    """Return ``(step module, example args after a prompt of ``prompt`` tokens)``
+    (default: ``PREFILL`` tokens, and 3 decoder tokens for an encoder-decoder)."""
     torch.manual_seed(0)
     model_name, kind, _ = CACHE_CASES.get(case, (case, "tuple", None))
-    prefill = torch.randint(1, VOCAB, (1, PREFILL))
+    prefill = torch.randint(1, VOCAB, (1, prompt or PREFILL))
     if model_name in ("t5", "bart"):
         model = _seq2seq_model(model_name).eval()
         step = _Seq2SeqStep(model)
@@ -278,7 +279,7 @@ def _build_case(case):
             encoder_hidden = model.get_encoder()(input_ids=prefill)[0]
             out = model(
                 encoder_outputs=(encoder_hidden,),
-                decoder_input_ids=torch.randint(1, VOCAB, (1, 3)),
+                decoder_input_ids=torch.randint(1, VOCAB, (1, prompt or 3)),
                 use_cache=True,
             )
         return step, (encoder_hidden, out[step.cache_kwarg])
@@ -506,6 +507,40 @@ class TestExportHFKVCache(TestCase):
         shapes = (None, *[None] * (len(state) - 1), shape)
         ep = _export(step, tokens[0], state, shapes, strict)
         _run_steps(self, ep.module(), step, state, tokens[1:])
+
+    @unittest.skipIf(not HAS_CACHE_LAYERS, "needs transformers >= 4.56 cache layers")
+    @parametrize("case", list(CACHE_CASES))
+    def test_decode_from_a_one_token_prompt(self, case):
+        # docs/deploy.md's recipe for any prompt length: export from a 1-token
+        # prompt with backed_size_oblivious, so that a size of 1 in the example
+        # is not fixed. A sliding window has two regimes in the model's own code
+        # (its keys grow until the window fills, then keep its length): that
+        # program serves until the cache holds `window` tokens, then one exported
+        # from a full window takes over. 15 steps, to 16 tokens (max_cache_len).
+        step, state = _build_case(case, prompt=1)
+        tokens = self._tokens(15)
+        expected = _eager_steps(step, state, tokens)
+        sliding = any("Sliding" in name for name in CACHE_CASES[case][2])
+        window = step.model.config.sliding_window if sliding else None
+
+        def export(state):
+            shapes = (None, *[None if isinstance(s, torch.Tensor) else Dim.AUTO for s in state])
+            with torch.fx.experimental._config.patch(backed_size_oblivious=True):
+                return _export(step, tokens[0], state, shapes, strict=False).module()
+
+        warm = export(state)
+        # the eager cache after window - 1 steps holds `window` tokens
+        full = export((*state[:-1], expected[window - 2][1])) if window else None
+        state, used = copy.deepcopy(state), []
+        for token, (logits, cache) in zip(tokens, expected, strict=True):
+            n = int(state[-1].get_seq_length()) if window else 0
+            run = full if window and n >= window else warm
+            used.append(run is full)
+            with torch.no_grad():
+                got_logits, got_cache = _call(run, token, state)
+            self.assertLessEqual(_max_diff((logits, cache), (got_logits, got_cache)), ATOL)
+            state = (*state[:-1], got_cache)
+        self.assertEqual(used, [bool(window) and i + 1 >= (window or 0) for i in range(15)])
 
     @unittest.skipIf(not HAS_TUPLE_CACHE, "needs transformers without cache_utils")
     @parametrize("strict", [True, False])
