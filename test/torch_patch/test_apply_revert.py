@@ -310,16 +310,21 @@ def test_ctrl_c_says_what_the_target_is(target, test_series):
     """Ctrl-C while apply waits for the lock: exit code 130, and the state of the target."""
     fd = os.open(target, os.O_RDONLY)
     fcntl.flock(fd, fcntl.LOCK_EX)
+    def ctrl_c_as_in_a_terminal():  # a test runner's worker may ignore or block SIGINT: its children inherit that
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
+
     proc = subprocess.Popen([sys.executable, "-m", "torch_patch", "apply", str(target), "--series", str(test_series)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, PYTHONPATH=str(REPO)))
+                            env=dict(os.environ, PYTHONPATH=str(REPO)), preexec_fn=ctrl_c_as_in_a_terminal)
     try:
         assert proc.stdout.readline().startswith("waiting for another torch-patch")
         proc.send_signal(signal.SIGINT)
     finally:
         os.close(fd)
-    assert proc.communicate()[1].splitlines()[-3:] == ["torch-patch: error: stopped by Ctrl-C", "The target is now:",
-                                                       f"not applied: {head(target, test_series)}"]
+    out, err = proc.communicate()
+    assert err.splitlines()[-3:] == ["torch-patch: error: stopped by Ctrl-C", "The target is now:",
+                                     f"not applied: {head(target, test_series)}"], (proc.returncode, out, err)
     assert proc.returncode == 130
 
 
