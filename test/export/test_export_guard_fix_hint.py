@@ -55,7 +55,9 @@ class TestGuardMessage(TestCase):
     def test_size_of_one_names_backed_size_oblivious(self, strict: bool) -> None:
         # Dim.AUTO does not keep a size of 1 in the example dynamic
         layer, shapes = Layer(torch.randn(1, 4), 1), (None, [{0: Dim.AUTO}, Dim.AUTO])
-        module = export(LayerStep(), (_x(), layer), dynamic_shapes=shapes, strict=strict).module()
+        module = export(
+            LayerStep(), (_x(), layer), dynamic_shapes=shapes, strict=strict
+        ).module()
         with self.assertRaisesRegex(
             AssertionError,
             r"^Guard failed: layer\.keys\.size\(\)\[0\] == 1 \(.*lets it vary; a size "
@@ -64,7 +66,9 @@ class TestGuardMessage(TestCase):
         ):
             module(_x(), Layer(torch.randn(2, 4), 2))
         with torch.fx.experimental._config.patch(backed_size_oblivious=True):
-            module = export(LayerStep(), (_x(), layer), dynamic_shapes=shapes, strict=strict).module()
+            module = export(
+                LayerStep(), (_x(), layer), dynamic_shapes=shapes, strict=strict
+            ).module()
         x, later = _x(), Layer(torch.randn(2, 4), 2)  # the next step: one key more
         self.assertEqual(module(x, later)[0], LayerStep()(x, later)[0])
 
@@ -109,6 +113,7 @@ class TestGuardMessageRule(TestCase):
             ("L['x'].size()[0] == 4", "x.size()[0] == 4" + hint),
             ("L['x'].size()[0] == 1", "x.size()[0] == 1" + hint[:-1] + oblivious),
             ("L['n'] == 1", "n == 1" + hint),
+            ("L['x'].size()[0] == 10", "x.size()[0] == 10" + hint),
             ("L['n'] == 2", "n == 2" + hint),
             ("L['d']['max len'] == 2", "d['max len'] == 2" + hint),
             ("L['x'].size()[0] % 2 == 0", "x.size()[0] % 2 == 0"),
