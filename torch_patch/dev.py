@@ -30,11 +30,11 @@ FORMAT_PATCH_OPTS = [
 REST_COMMIT_MESSAGE = """\
 [pytree] Add the pytree {kind} that no commit's Test Plan names
 
-Each commit of this series carries the {kind} its Test Plan names. No commit's
-Test Plan names these, so they come here, on top of the whole series.
+Each commit of this series carries the {kind} its Test Plan
+names. No commit's Test Plan names these, so they come here, on top
+of the whole series.
 
 Test Plan:
-
 {test_plan}
 """
 

@@ -267,8 +267,8 @@ FULLY_STATIC_CASES = ("gpt2_static", "mamba_linear_attention")
 
 
 def _build_case(case, prompt=None):
-    """Return ``(step module, example args after a prompt of ``prompt`` tokens)``
-    (default: ``PREFILL`` tokens, and 3 decoder tokens for an encoder-decoder)."""
+    """Return ``(step module, example args)`` after a prompt of ``prompt`` tokens
+    (default: ``PREFILL``, and 3 decoder tokens for an encoder-decoder)."""
     torch.manual_seed(0)
     model_name, kind, _ = CACHE_CASES.get(case, (case, "tuple", None))
     prefill = torch.randint(1, VOCAB, (1, prompt or PREFILL))
@@ -540,7 +540,7 @@ class TestExportHFKVCache(TestCase):
                 got_logits, got_cache = _call(run, token, state)
             self.assertLessEqual(_max_diff((logits, cache), (got_logits, got_cache)), ATOL)
             state = (*state[:-1], got_cache)
-        self.assertEqual(used, [bool(window) and i + 1 >= (window or 0) for i in range(15)])
+        self.assertEqual(used, [window is not None and i + 1 >= window for i in range(15)])
 
     @unittest.skipIf(not HAS_TUPLE_CACHE, "needs transformers without cache_utils")
     @parametrize("strict", [True, False])
