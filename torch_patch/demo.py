@@ -78,10 +78,9 @@ def opt_in() -> str:
             f"class (import torch.utils._pytree as pytree):\n\n    {REGISTER}\n\n"
             "Output and every subclass of it, present and future, are then pytree nodes.")
 
+
 # The stock side: in a venv whose torch `torch-patch apply` patched, install_stock(stock_modules())
 # before torch imports the modules the series changes from the stock files that apply saved.
-
-
 def stock_modules(target: os.PathLike | None = None) -> dict[str, str | None]:
     """Each module the applied series touches: its saved stock file (None: the series adds it)."""
     st = core.status(target)

@@ -341,6 +341,12 @@ def _dynamic_shapes(step, state, tokens):
     return shapes
 
 
+def _auto_cache_shapes(state):
+    """dynamic_shapes of a step: the token and the encoder's output (a tensor) fixed,
+    one Dim.AUTO for the cache."""
+    return (None, *[None if isinstance(s, torch.Tensor) else Dim.AUTO for s in state])
+
+
 def _export(step, token, state, dynamic_shapes, strict):
     with warnings.catch_warnings():
         # tracing-time deprecation chatter from transformers / export is not tested
@@ -463,11 +469,7 @@ class TestExportHFKVCache(TestCase):
         # the model specializes them
         step, state = _build_case(case)
         tokens = self._tokens()
-        dynamic_shapes = (
-            None,
-            *[None if isinstance(s, torch.Tensor) else Dim.AUTO for s in state],
-        )
-        ep = _export(step, tokens[0], state, dynamic_shapes, strict)
+        ep = _export(step, tokens[0], state, _auto_cache_shapes(state), strict)
         if case not in FULLY_STATIC_CASES:
             self.assertTrue(ep.range_constraints)
         _run_steps(self, ep.module(), step, state, tokens[1:])
@@ -524,8 +526,8 @@ class TestExportHFKVCache(TestCase):
         window = step.model.config.sliding_window if sliding else None
 
         def export(state):
-            shapes = (None, *[None if isinstance(s, torch.Tensor) else Dim.AUTO for s in state])
             with torch.fx.experimental._config.patch(backed_size_oblivious=True):
+                shapes = _auto_cache_shapes(state)
                 return _export(step, tokens[0], state, shapes, strict=False).module()
 
         warm = export(state)

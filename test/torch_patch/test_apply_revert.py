@@ -310,6 +310,7 @@ def test_ctrl_c_says_what_the_target_is(target, test_series):
     """Ctrl-C while apply waits for the lock: exit code 130, and the state of the target."""
     fd = os.open(target, os.O_RDONLY)
     fcntl.flock(fd, fcntl.LOCK_EX)
+
     def ctrl_c_as_in_a_terminal():  # a test runner's worker may ignore or block SIGINT: its children inherit that
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])

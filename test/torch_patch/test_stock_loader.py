@@ -49,7 +49,8 @@ print(json.dumps({
     "onnx_path": list(torch.onnx.__path__),
 }))
 """
-RUN_PROBE = "import json, os, sys\nfrom torch_patch import demo\ndemo.install_stock(json.loads(os.environ['MODULES']))\n"
+RUN_PROBE = ("import json, os, sys\nfrom torch_patch import demo\n"
+             "demo.install_stock(json.loads(os.environ['MODULES']))\n")
 
 st = core.status()
 applied = pytest.mark.skipif(st.code != core.EXIT_APPLIED or not st.stock_files, reason=f"needs this venv's torch "
@@ -111,8 +112,8 @@ def test_stock_modules_of_a_standin_target(target, test_series):
     torch_patch.apply(target, series_dir=test_series, log=lambda s: None)
     saved = target / ".torch-patch" / "saved" / "orig"
     assert demo.stock_modules(target) == {"torch.utils._pytree": str(saved / TEST_FILES[0]),
-                                           "torch.utils._cxx_pytree": str(saved / TEST_FILES[1]),
-                                           NEW_FILE[:-3].replace("/", "."): None}
+                                          "torch.utils._cxx_pytree": str(saved / TEST_FILES[1]),
+                                          NEW_FILE[:-3].replace("/", "."): None}
 
 
 def test_demo_names_torch_patch_apply_when_torch_is_not_patched(target):
