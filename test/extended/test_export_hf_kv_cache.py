@@ -526,8 +526,8 @@ class TestExportHFKVCache(TestCase):
         window = step.model.config.sliding_window if sliding else None
 
         def export(state):
+            shapes = _auto_cache_shapes(state)
             with torch.fx.experimental._config.patch(backed_size_oblivious=True):
-                shapes = _auto_cache_shapes(state)
                 return _export(step, tokens[0], state, shapes, strict=False).module()
 
         warm = export(state)
