@@ -4,7 +4,9 @@
 
 A family is a base class registered once: the base and all of its subclasses,
 present and future, become pytree nodes, while exact registrations keep
-precedence. See ``torch.utils._pytree.register_pytree_family``.
+precedence. A subclass created after the registration becomes one where torch
+needs it, at its next boundary (export, load, DDP), which these tests call as
+``_update_pytree_families()``. See ``torch.utils._pytree.register_pytree_family``.
 """
 
 import contextlib
@@ -122,6 +124,11 @@ class ReadOnlyMapping(Mapping):
         return len(self._data)
 
 
+def boundary() -> None:
+    """What torch does at the start of an export or a load."""
+    py_pytree._update_pytree_families()
+
+
 class FamilyTestCase(TestCase):
     def register_family(self, base: Any, **kwargs: Any) -> None:
         py_pytree.register_pytree_family(base, **kwargs)
@@ -199,6 +206,9 @@ class TestPytreeFamilyResolution(FamilyTestCase):
         class Point4(Point3):  # defined after the registration
             w: Any = None
 
+        # a leaf, as without a family, until torch's next boundary
+        self.assertTrue(pytree.tree_is_leaf(Point4(1)))
+        boundary()
         for obj, expected in (
             (PointBase(1, 2), [1, 2]),
             (Point3(1, 2, 3), [1, 2, 3]),
@@ -219,6 +229,7 @@ class TestPytreeFamilyResolution(FamilyTestCase):
         class Special(PointBase):
             pass
 
+        boundary()
         for pytree in _PYTREE_MODULES:
             self.assertEqual(pytree.tree_leaves(Special(1, 2)), [1, 2])
         # Registered exactly after it became a family member, as transformers
@@ -266,22 +277,29 @@ class TestPytreeFamilyResolution(FamilyTestCase):
                 py_pytree.tree_leaves(Member(1, 2)), [2] if exact else [1, 2]
             )
             py_pytree._deregister_pytree_node(Member)
-            if cxx_pytree is not None:  # as the callers of stock's do
-                with contextlib.suppress(ValueError):  # 2.15 unregisters it too
-                    cxx_pytree.optree.unregister_pytree_node(Member, namespace="torch")
             self.assertNotIn(Member, py_pytree.SUPPORTED_NODES)
             self.assertNotIn("test.Member", py_pytree.SERIALIZED_TYPE_TO_PYTHON_TYPE)
             obj = Member(1, 2)
-            for pytree in _PYTREE_MODULES:
+            for pytree in _PYTREE_MODULES:  # a leaf in both, not a KeyError in one
                 self.assertEqual(pytree.tree_leaves(obj), [obj])
+            if cxx_pytree is not None:  # as the callers of stock's do: gone already
+                with self.assertRaisesRegex(ValueError, "not registered"):
+                    cxx_pytree.optree.unregister_pytree_node(Member, namespace="torch")
             # the caller's own registration, in both pytrees
             self.register_node(
                 py_pytree, Member, lambda m: ([m.x], m.y), lambda v, y: Member(*v, y)
             )
             for pytree in _PYTREE_MODULES:
                 self.assertEqual(pytree.tree_leaves(obj), [1])
+            boundary()  # an exact registration stays
+            self.assertEqual(py_pytree.tree_leaves(obj), [1])
             self.doCleanups()
             self.register_family(Base)
+        # Without one, the member is derived again at the next boundary.
+        py_pytree._deregister_pytree_node(Member)
+        boundary()
+        for pytree in _PYTREE_MODULES:
+            self.assertEqual(pytree.tree_leaves(Member(1, 2)), [1, 2])
 
     def test_replacing_a_registration_never_shows_a_leaf(self) -> None:
         # Flatten at every line that registering and deregistering run: a
@@ -375,37 +393,38 @@ class TestPytreeFamilyResolution(FamilyTestCase):
             self.assertEqual(leaves, [1, 2])
             self.assertEqual(pytree.tree_unflatten([3, 4], spec), FamilyNT(3, [4]))
 
-    def test_deregistration_restores_leaves_and_init_subclass(self) -> None:
+    def test_registration_writes_nothing_on_the_class(self) -> None:
         @dataclasses.dataclass
         class Base:
             def __init_subclass__(cls, tag: str = "", **kwargs: Any) -> None:
                 super().__init_subclass__(**kwargs)
                 cls.tag = tag
 
-        own_hook = Base.__dict__["__init_subclass__"]
-
         @dataclasses.dataclass
         class Early(Base, tag="early"):
             x: Any
 
+        namespaces = [dict(vars(Base)), dict(vars(Early))]
         py_pytree.register_pytree_family(Base)
 
         @dataclasses.dataclass
         class Late(Base, tag="late"):
             x: Any
 
+        boundary()
+        self.assertEqual([dict(vars(Base)), dict(vars(Early))], namespaces)
         self.assertEqual((Early.tag, Late.tag), ("early", "late"))
         for pytree in _PYTREE_MODULES:
             self.assertEqual(pytree.tree_leaves([Early(1), Late(2)]), [1, 2])
         py_pytree._deregister_pytree_family(Base)
-        self.assertIs(Base.__dict__["__init_subclass__"], own_hook)
         objs = [Early(1), Late(2)]
         for pytree in _PYTREE_MODULES:
             self.assertEqual(pytree.tree_leaves(objs), objs)
 
     def test_family_members_are_freed_with_their_family(self) -> None:
-        # A derived registration keeps its class alive, as register_pytree_node
-        # does, until the family is deregistered.
+        # A class created and dropped between two boundaries is never registered;
+        # a registered member is kept alive, as by register_pytree_node, until
+        # the family is deregistered.
         @dataclasses.dataclass
         class Base:
             x: Any
@@ -414,16 +433,18 @@ class TestPytreeFamilyResolution(FamilyTestCase):
         refs = []
         for i in range(20):
             cls = dataclasses.make_dataclass(f"Member{i}", [], bases=(Base,))
-            for pytree in _PYTREE_MODULES:
-                self.assertEqual(pytree.tree_leaves(cls(1)), [1])
+            if i % 2:
+                gc.collect()  # the class of the last round is gone before it
+                boundary()
+                for pytree in _PYTREE_MODULES:
+                    self.assertEqual(pytree.tree_leaves(cls(1)), [1])
             refs.append(weakref.ref(cls))
             del cls
         gc.collect()
-        self.assertEqual(sum(r() is not None for r in refs), 20)
+        self.assertEqual([r() is not None for r in refs], [False, True] * 10)
         py_pytree._deregister_pytree_family(Base)
         gc.collect()
         self.assertEqual([r for r in refs if r() is not None], [])
-        self.assertNotIn("__init_subclass__", Base.__dict__)
 
     def test_plain_base_is_refused_with_the_fix(self) -> None:
         class Output:
@@ -448,6 +469,7 @@ class TestPytreeFamilyResolution(FamilyTestCase):
             def __init__(self, x: Any) -> None:
                 self.x = x
 
+        boundary()
         for pytree in _PYTREE_MODULES:
             leaves, spec = pytree.tree_flatten(Holder(1))
             self.assertEqual(leaves, [1])
@@ -490,6 +512,7 @@ class TestPytreeFamilyResolution(FamilyTestCase):
         class Late(Early):
             z: Any = None
 
+        boundary()
         for pytree in _PYTREE_MODULES:
             self.assertEqual(
                 pytree.tree_leaves([Early(1, 2), Late(3, 4, 5)]), [1, 2, 3, 4, 5]
@@ -619,6 +642,7 @@ TreeSpec(EncoderOutput, ['last_hidden_state', 'attentions'], [*,
         class Out(PlainDictBase):
             logits: Any = None
 
+        boundary()
         with self.assertRaisesRegex(
             TypeError,
             r"Cannot flatten .*Out .*: its field 'logits' is not one of its items",
@@ -662,6 +686,7 @@ TreeSpec(EncoderOutput, ['last_hidden_state', 'attentions'], [*,
         class Late(UserDictChild):  # defined after the registration
             pass
 
+        boundary()
         t = torch.ones(2)
         for obj in (
             UserDictBase({"a": t, "b": [1, 2]}),
@@ -773,6 +798,7 @@ TreeSpec(Point3, [['x', 'z'], ['y']], [*,
         class Child(Base):  # created after the registration
             c: Any = None
 
+        boundary()
         obj = Child(a=1, b=[2, 3], c=None)
         leaves, spec = pytree.tree_flatten(obj)
         self.assertEqual(leaves, [1, 2, 3])
@@ -833,6 +859,7 @@ TreeSpec(Point3, [['x', 'z'], ['y']], [*,
         class Child(Base):
             pass
 
+        boundary()
         for pytree in _PYTREE_MODULES:
             leaves, spec = pytree.tree_flatten(Child([1, 2], "x"))
             self.assertEqual(leaves, [1, 2])
@@ -894,6 +921,7 @@ class TestPytreeFamilySpecs(FamilyTestCase):
         class LatePoint(Point3):
             w: Any = None
 
+        boundary()
         tree = {
             "out": LateOutput(
                 last_hidden_state=1, logits=[2, LatePoint(3, None, 4, 5)]
@@ -933,6 +961,7 @@ class TestPytreeFamilySpecs(FamilyTestCase):
             class Late(Base):
                 z: object = None
 
+            py_pytree._update_pytree_families()  # as export or load would
             for cls in (Early, Late):
                 leaves, spec = cxx_pytree.tree_flatten([cls(1, z=2)])
                 assert leaves == [1, 2], leaves
@@ -962,10 +991,12 @@ class TestPytreeFamilySerialization(FamilyTestCase):
         )
         self.register_family(module.Base)
         exec(code, module.__dict__)
+        boundary()
         old = module.Out
         _, old_spec = py_pytree.tree_flatten(old(1))
         dumped = py_pytree.treespec_dumps(old_spec)
         exec(code, module.__dict__)
+        boundary()
         new = module.Out
         _, new_spec = py_pytree.tree_flatten(new(1))
         self.assertIs(
@@ -1054,6 +1085,7 @@ class TestPytreeFamilyLostState(FamilyTestCase):
             def __post_init__(self) -> None:
                 self.x = abs(self.x)
 
+        boundary()
         self.assertEqual(Tripled(1).x, 3)
         self.assertRefused(
             pytree,
@@ -1070,6 +1102,7 @@ class TestPytreeFamilyLostState(FamilyTestCase):
         class Decorated(Tripled):  # @dataclass made its __init__ again
             pass
 
+        boundary()
         leaves, spec = pytree.tree_flatten(Decorated(1))
         self.assertEqual(pytree.tree_unflatten(leaves, spec), Decorated(1))
 
@@ -1082,6 +1115,7 @@ class TestPytreeFamilyLostState(FamilyTestCase):
         class Late(PointBase):
             z: Any = None
 
+        boundary()
         self.assertEqual(pytree.tree_leaves(Late(1, 2)), [1, 2])
         dataclasses.dataclass(Late)
         leaves, spec = pytree.tree_flatten(Late(1, 2, 3))

@@ -2,12 +2,15 @@
 
 """Tests for lazy pytree families: ``register_pytree_family("package.module:Class")``.
 
-A lazy family is registered by name, without importing its module; it takes
-effect when that module is imported. ``treespec_loads`` imports the module of a
-family member only within the package of a registered family's base.
+A family registered by name is resolved where torch needs its families, at its
+boundaries (export, load, DDP; ``_update_pytree_families()`` here), once its
+module has been imported. Nothing watches imports: registering imports nothing
+and hooks nothing, and a name that can no longer name a class is reported at the
+next boundary. Loading a spec imports no module of the package either.
 """
 
 import importlib
+import importlib.machinery
 import json
 import os
 import pickle
@@ -15,9 +18,10 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 from typing import Any
 
-from test_pytree_family import _PYTREE_MODULES, FamilyTestCase
+from test_pytree_family import _PYTREE_MODULES, boundary, FamilyTestCase
 
 import torch.utils._pytree as py_pytree
 from torch.testing._internal.common_utils import run_tests, skipIfTorchDynamo
@@ -63,20 +67,14 @@ class FamilyPackageTestCase(FamilyTestCase):
                 import familypkg.other
                 raise AttributeError(name)
             """,
+        "notdata.py": """
+            class NotData:
+                pass
+            """,
     }
 
     def setUp(self) -> None:
         super().setUp()
-        # Set aside the lazy families that torch registers for the libraries
-        # that are installed (transformers'): these tests see only their own.
-        pending = {
-            b: f for b, f in py_pytree._PYTREE_FAMILIES.items() if isinstance(b, str)
-        }
-        for name in pending:
-            del py_pytree._PYTREE_FAMILIES[name]
-        py_pytree._wait_for_lazy_families()
-        self.addCleanup(py_pytree._wait_for_lazy_families)
-        self.addCleanup(py_pytree._PYTREE_FAMILIES.update, pending)
         tmpdir = tempfile.TemporaryDirectory()
         self.addCleanup(tmpdir.cleanup)
         self.root = tmpdir.name
@@ -121,13 +119,12 @@ class TestPytreeFamilyLazy(FamilyPackageTestCase):
                 ValueError, "Invalid family name .*: use 'package.module:Class'"
             ):
                 py_pytree.register_pytree_family(bad)
-        # A typo in the package: refused at once, not pending for ever.
+        # A typo in the package: refused at once.
         with self.assertRaisesRegex(
             ValueError,
             r"No package 'familypgk' is installed, for 'familypgk.base:Base'\.",
         ):
             py_pytree.register_pytree_family("familypgk.base:Base")
-        self.assertNotIn(py_pytree._LazyPyTreeFamilyFinder, sys.meta_path)
         self.register_family("familypkg.outputs:Out")
         with self.assertRaisesRegex(
             ValueError, "already registered as a pytree family"
@@ -136,50 +133,99 @@ class TestPytreeFamilyLazy(FamilyPackageTestCase):
         self.assertNotIn("familypkg", sys.modules)
         with self.assertRaisesRegex(ValueError, "not registered as a pytree family"):
             py_pytree._deregister_pytree_family("nowhere.at_all:Cls")
-        importlib.import_module("familypkg.base")
-        with self.assertRaisesRegex(ValueError, "has no class 'Missing'"):
-            py_pytree.register_pytree_family("familypkg.base:Missing")
 
-    def test_registration_imports_nothing_and_takes_effect_on_import(self) -> None:
+    def test_registration_imports_and_hooks_nothing(self) -> None:
+        meta_path = list(sys.meta_path)
         self.register_family("familypkg.base:Base")
+        self.assertEqual(sys.meta_path, meta_path)
         self.assertNotIn("familypkg", sys.modules)
+        from familypkg.base import Base
         from familypkg.outputs import Out
 
+        self.assertEqual(sys.meta_path, meta_path)
+        self.assertNotIn("__init_subclass__", vars(Base))
+        self.assertTrue(py_pytree.tree_is_leaf(Out(1)))  # until a boundary
+        boundary()
         for pytree in _PYTREE_MODULES:  # the C++ pytree knows the member too
             leaves, spec = pytree.tree_flatten([Out(1, c=2)])
             self.assertEqual(leaves, [1, 2])
             self.assertEqual(pytree.tree_unflatten([3, 4], spec), [Out(3, c=4)])
         self.assertEqual(py_pytree.tree_structure(Out(1)).type, Out)
+        self.assertIn(Base, py_pytree._PYTREE_FAMILIES)
 
-    def test_registration_of_an_imported_module_is_immediate(self) -> None:
+    def test_a_typo_is_reported_at_the_next_boundary(self) -> None:
+        for name, error in (
+            ("familypkg.base:Bsae", r"familypkg.base has no class 'Bsae'"),
+            ("familypkg.bsae:Base", r"there is no module familypkg.bsae"),
+        ):
+            py_pytree.register_pytree_family(name)
+            boundary()  # familypkg is not imported: nothing to tell yet
+            importlib.import_module("familypkg.base")
+            for _ in range(2):  # and at every boundary after
+                with self.assertRaisesRegex(
+                    ValueError, rf"register_pytree_family\('{name}'\): {error}\."
+                ):
+                    boundary()
+            py_pytree._deregister_pytree_family(name)
+            boundary()
+            self.forget_modules()
+
+    def test_registration_errors_never_raise_inside_an_import(self) -> None:
+        self.register_family("familypkg.notdata:NotData")
+        module = importlib.import_module("familypkg.notdata")  # imports as usual
+        self.assertEqual(module.NotData.__name__, "NotData")
+        with self.assertRaisesRegex(
+            TypeError, r"familypkg.notdata.NotData is neither a dataclass nor a mapping"
+        ):
+            boundary()
+
+    def test_a_finder_ahead_of_torch(self) -> None:
+        # Import hooks (typeguard, beartype, jaxtyping) that find modules with
+        # PathFinder from sys.meta_path[0] change nothing.
+        class Finder:
+            @staticmethod
+            def find_spec(name: str, path: Any = None, target: Any = None) -> Any:
+                return importlib.machinery.PathFinder.find_spec(name, path, target)
+
+        sys.meta_path.insert(0, Finder)
+        self.addCleanup(sys.meta_path.remove, Finder)
+        self.register_family("familypkg.base:Base")
         from familypkg.outputs import Out
 
-        py_pytree.register_pytree_family("familypkg.base:Base")
-        self.assertEqual(py_pytree.tree_leaves(Out(1, c=2)), [1, 2])
-        py_pytree._deregister_pytree_family("familypkg.base:Base")
-        self.assertEqual(py_pytree.tree_leaves(Out(1)), [Out(1)])
+        boundary()
+        for pytree in _PYTREE_MODULES:
+            self.assertEqual(pytree.tree_leaves(Out(1, c=2)), [1, 2])
 
-    def test_loads_imports_the_module_of_a_member(self) -> None:
-        self.register_family("familypkg.base:Base")
-        importlib.import_module("familypkg.base")
-        before = set(sys.modules)
-        spec = py_pytree.treespec_loads(self.spec_json("familypkg.outputs.Out"))
-        self.assertEqual(set(sys.modules) - before, {"familypkg.outputs"})
-        out_cls = sys.modules["familypkg.outputs"].Out
-        self.assertIs(spec.type, out_cls)
-        self.assertEqual(py_pytree.tree_unflatten([1], spec), out_cls(1))
-        nested = py_pytree.treespec_loads(
-            self.spec_json("familypkg.outputs.Holder.Nested")
-        )
-        self.assertIs(nested.type, sys.modules["familypkg.outputs"].Holder.Nested)
+    def test_registered_while_another_thread_imports(self) -> None:
+        for i in range(300):
+            self.write(
+                f"racy{i}.py",
+                "import dataclasses, time\n"
+                "time.sleep(0.0005)\n"
+                "@dataclasses.dataclass\nclass Base:\n    a: object\n",
+            )
+        for i in range(300):
+            name = f"familypkg.racy{i}:Base"
+            importer = threading.Thread(
+                target=importlib.import_module, args=(f"familypkg.racy{i}",)
+            )
+            registrar = threading.Thread(
+                target=self.register_family, args=(name,)
+            )
+            importer.start()
+            registrar.start()
+            importer.join()
+            registrar.join()
+            boundary()
+            base = sys.modules[f"familypkg.racy{i}"].Base
+            self.assertEqual(py_pytree.tree_leaves(base(i)), [i], name)
 
-    def test_loads_imports_nothing_outside_a_family_package(self) -> None:
+    def test_loads_imports_nothing(self) -> None:
         self.register_family("familypkg.base:Base")
-        # The family's module is not imported: no member can exist.
-        for name in ("familypkg.outputs.Out", "familypkg.other.X", "familypkg.Out"):
-            self.assertEqual(self.modules_imported_by_loads(name), set(), name)
         importlib.import_module("familypkg.base")
         for name in (
+            "familypkg.outputs.Out",  # a member's module, not imported
+            "familypkg.other.SIDE_EFFECT",
             "os.path.join",
             "json.decoder.JSONDecoder",  # an importable class, not a member
             "torch._inductor.config.Foo",
@@ -196,11 +242,17 @@ class TestPytreeFamilyLazy(FamilyPackageTestCase):
             self.assertEqual(self.modules_imported_by_loads(name), set(), name)
         importlib.import_module("familypkg.lazy")  # its __getattr__ is never called
         self.assertEqual(self.modules_imported_by_loads("familypkg.lazy.Foo"), set())
-        # Within the package: the one module the name points to.
-        self.assertEqual(
-            self.modules_imported_by_loads("familypkg.other.SIDE_EFFECT"),
-            {"familypkg.other"},
+
+    def test_loads_a_member_created_since_the_last_boundary(self) -> None:
+        self.register_family("familypkg.base:Base")
+        outputs = importlib.import_module("familypkg.outputs")
+        spec = py_pytree.treespec_loads(self.spec_json("familypkg.outputs.Out"))
+        self.assertIs(spec.type, outputs.Out)
+        self.assertEqual(py_pytree.tree_unflatten([1], spec), outputs.Out(1))
+        nested = py_pytree.treespec_loads(
+            self.spec_json("familypkg.outputs.Holder.Nested")
         )
+        self.assertIs(nested.type, outputs.Holder.Nested)
 
     def test_load_errors_name_the_fix(self) -> None:
         # Each message ends with what to import (stock's wording before it
@@ -214,16 +266,12 @@ class TestPytreeFamilyLazy(FamilyPackageTestCase):
         for type_name, fix in (
             (
                 "familypkg.outputs.Out",
-                "Import familypkg before loading: it has pytree families.",
+                "Import familypkg.outputs before loading: the class must be "
+                "registered first.",
             ),
             (
                 "__main__.Out",
                 "Define the class in a module, and import it before loading.",
-            ),
-            # a class of a module of the user's, whose registration has not run
-            (
-                "otherpkg.outputs.Out",
-                "Import otherpkg.outputs before loading: the class must be registered first.",
             ),
         ):
             message = loads_error(type_name)
@@ -232,9 +280,8 @@ class TestPytreeFamilyLazy(FamilyPackageTestCase):
         self.assertFalse(loads_error(5).endswith("first."))  # not a class name
 
     def test_module_half_imported_when_registered(self) -> None:
-        # A module that registers a lazy family of its own before it defines the
-        # class, as transformers.cache_utils is half imported when it imports
-        # torch, which registers transformers' families.
+        # A module that registers its own families by name before it defines
+        # their classes: they are resolved at the next boundary.
         self.write(
             "selfreg.py",
             """
@@ -242,7 +289,6 @@ class TestPytreeFamilyLazy(FamilyPackageTestCase):
             import torch.utils._pytree as pt
             pt.register_pytree_family("familypkg.selfreg:Base")
             pt.register_pytree_family("familypkg.selfreg:Other")  # a second one
-            pt.register_pytree_family("familypkg.selfreg:Missing")  # dropped
 
             @dataclasses.dataclass
             class Base:
@@ -261,13 +307,13 @@ class TestPytreeFamilyLazy(FamilyPackageTestCase):
             self.addCleanup(self.deregister_if_registered, f"familypkg.selfreg:{name}")
         from familypkg.selfreg import Other, Sub
 
+        boundary()
         for pytree in _PYTREE_MODULES:
             leaves, spec = pytree.tree_flatten([Sub(1, 2), Other(5)])
             self.assertEqual(leaves, [1, 2, 5])
             self.assertEqual(
                 pytree.tree_unflatten([3, 4, 6], spec), [Sub(3, 4), Other(6)]
             )
-        self.assertNotIn(py_pytree._LazyPyTreeFamilyFinder, sys.meta_path)
 
     def test_a_failed_import_is_waited_for_again(self) -> None:
         self.write(
@@ -287,29 +333,10 @@ class TestPytreeFamilyLazy(FamilyPackageTestCase):
         self.register_family("familypkg.flaky:Base")
         with self.assertRaisesRegex(ImportError, "not this time"):
             importlib.import_module("familypkg.flaky")
-        self.assertIn(py_pytree._LazyPyTreeFamilyFinder, sys.meta_path)
+        boundary()  # the module exists: not a typo
         base = importlib.import_module("familypkg.flaky").Base
+        boundary()
         self.assertEqual(py_pytree.tree_leaves(base(1)), [1])
-        self.assertNotIn(py_pytree._LazyPyTreeFamilyFinder, sys.meta_path)
-
-    def test_the_finder_leaves_when_nothing_can_arrive(self) -> None:
-        # The module is imported without the class: the family is dropped.
-        py_pytree.register_pytree_family("familypkg.base:Missing")
-        self.assertIn(py_pytree._LazyPyTreeFamilyFinder, sys.meta_path)
-        importlib.import_module("familypkg.base")
-        self.assertNotIn(py_pytree._LazyPyTreeFamilyFinder, sys.meta_path)
-        self.assertNotIn("familypkg.base:Missing", py_pytree._PYTREE_FAMILIES)
-
-    def test_a_member_module_that_raises_is_a_load_error(self) -> None:
-        self.write("exits.py", "raise SystemExit(3)\n")
-        self.register_family("familypkg.base:Base")
-        importlib.import_module("familypkg.base")
-        with self.assertRaisesRegex(
-            ImportError,
-            r"Importing familypkg.exits to load familypkg.exits.Out failed: "
-            r"SystemExit\(3\)",
-        ):
-            py_pytree.treespec_loads(self.spec_json("familypkg.exits.Out"))
 
     def test_unpickled_spec_in_a_fresh_process(self) -> None:
         with open(os.path.join(self.root, "familypkg", "registers.py"), "w") as f:
@@ -320,6 +347,7 @@ class TestPytreeFamilyLazy(FamilyPackageTestCase):
         from familypkg.outputs import Out
 
         self.register_family("familypkg.base:Base")
+        boundary()
         leaves, spec = py_pytree.tree_flatten([Out(1, c=2)])
         script = textwrap.dedent(
             f"""

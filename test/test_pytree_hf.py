@@ -1,10 +1,12 @@
 # Owner(s): ["module: pytree"]
 
-"""The output classes of HuggingFace transformers and diffusers are lazy pytree
-families: importing torch imports neither library, and their classes (and users'
-subclasses of them) are pytree nodes once the library is imported."""
+"""The output classes of HuggingFace transformers and diffusers are pytree
+families that torch registers at its boundaries (export, load, DDP) once the
+library is imported: importing torch imports and hooks nothing, and their classes
+(and users' subclasses of them) are then pytree nodes."""
 
 import dataclasses
+import importlib
 import importlib.util
 import json
 import subprocess
@@ -45,38 +47,74 @@ def run_python(script: str) -> Any:
 
 
 class TestPytreeHF(TestCase):
-    def test_import_torch_imports_neither_library(self) -> None:
+    def setUp(self) -> None:
+        super().setUp()
+        py_pytree._update_pytree_families()  # as an export or a load does
+
+    def test_import_torch_imports_and_hooks_nothing(self) -> None:
+        # Nothing of the families runs at import: no module of theirs, nothing in
+        # sys.meta_path, and a stub module (as test suites make for optional
+        # dependencies) is not looked at.
         result = run_python(
             """
-            import json, sys
+            import json, sys, types
+            sys.modules["diffusers"] = types.ModuleType("diffusers")
+            meta_path = [type(f).__name__ for f in sys.meta_path]
+            import torch
             import torch.utils._pytree as pytree
-            names = (
-                "transformers.utils.generic:ModelOutput",
-                "transformers.tokenization_utils_base:BatchEncoding",
-                "transformers.feature_extraction_utils:BatchFeature",
-                "diffusers.utils.outputs:BaseOutput",
-            )
-            errors = []
-            for name in names:
-                try:
-                    pytree.register_pytree_family(name)
-                except ValueError as e:
-                    errors.append(str(e))
-            leaked = [m for m in sys.modules if m.split(".")[0] in ("transformers", "diffusers")]
-            print(json.dumps({"errors": errors, "leaked": leaked}))
+            result = {
+                "meta_path": [type(f).__name__ for f in sys.meta_path] == meta_path,
+                "modules": [
+                    m for m in sys.modules
+                    if m.split(".")[0] == "transformers" or m == "torch.utils._pytree_hf"
+                ],
+            }
+            pytree._update_pytree_families()  # a boundary, with the stub
+            print(json.dumps(result))
             """
         )
-        # Registered for the libraries that are installed, and only for them.
-        expected = []
-        for library, families in (("transformers", 3), ("diffusers", 1)):
-            if importlib.util.find_spec(library) is not None:
-                expected += ["is already registered as a pytree family"] * families
-            else:
-                expected += [f"No package '{library}' is installed"] * families
-        self.assertEqual(result["leaked"], [])
-        self.assertEqual(len(result["errors"]), 4)
-        for error, part in zip(result["errors"], expected):
-            self.assertIn(part, error)
+        self.assertEqual(result, {"meta_path": True, "modules": []})
+
+    @unittest.skipIf(not HAS_TRANSFORMERS, "transformers is not installed")
+    def test_families_of_imported_libraries_at_a_boundary(self) -> None:
+        # Registered where torch needs them, from what is imported, writing
+        # nothing onto transformers' classes.
+        result = run_python(
+            """
+            import json
+            import torch, transformers
+            import torch.utils._pytree as pytree
+            from transformers import BatchEncoding
+            from transformers.utils import ModelOutput
+
+            classes = [ModelOutput, BatchEncoding]
+            if hasattr(transformers, "DynamicCache"):  # transformers >= 4.36
+                classes.append(transformers.DynamicCache.__mro__[-2])  # Cache
+            before = [dict(vars(cls)) for cls in classes]
+            leaf = pytree.tree_is_leaf(BatchEncoding({"a": torch.ones(1)}))
+            pytree._update_pytree_families()
+            print(json.dumps({
+                "untouched": [dict(vars(cls)) for cls in classes] == before,
+                "leaf before": leaf,
+                "families": sorted(
+                    c.__name__ for c in classes if c in pytree._PYTREE_FAMILIES
+                ),
+                "node after": not pytree.tree_is_leaf(BatchEncoding({"a": torch.ones(1)})),
+            }))
+            """
+        )
+        expected = ["BatchEncoding", "ModelOutput"]
+        if hasattr(importlib.import_module("transformers"), "DynamicCache"):
+            expected.insert(1, "Cache")
+        self.assertEqual(
+            result,
+            {
+                "untouched": True,
+                "leaf before": True,
+                "families": expected,
+                "node after": True,
+            },
+        )
 
     @unittest.skipIf(not HAS_TRANSFORMERS, "transformers is not installed")
     @parametrize("pytree", pytree_modules)
@@ -88,6 +126,7 @@ class TestPytreeHF(TestCase):
             logits: torch.Tensor | None = None
             hidden: tuple[torch.Tensor, ...] | None = None
 
+        py_pytree._update_pytree_families()  # transformers 4.31 does not register it
         out = MyOutput(logits=torch.ones(2), hidden=(torch.zeros(1),))
         leaves, spec = pytree.tree_flatten(out)
         self.assertEqual(len(leaves), 2)
@@ -130,6 +169,8 @@ class TestPytreeHF(TestCase):
 
         class MyEncoding(BatchEncoding):  # a user subclass, defined late
             pass
+
+        py_pytree._update_pytree_families()
 
         ids, mask = torch.ones(2, 3, dtype=torch.long), torch.zeros(2, 3)
         for cls in [*classes, MyEncoding]:

@@ -233,6 +233,9 @@ class TestExportPytreeFamily(TestCase):
         super().setUp()
         torch._dynamo.reset()
         torch.manual_seed(0)
+        # The stand-ins defined after their families' registration are nodes
+        # from torch's next boundary; the eager tests below start after one.
+        py_pytree._update_pytree_families()
 
     def assertSameTree(self, actual: Any, expected: Any) -> None:
         actual_leaves, actual_spec = py_pytree.tree_flatten(actual)
@@ -316,6 +319,38 @@ class TestExportPytreeFamily(TestCase):
         self.assertIs(type(actual.past_key_values), SlidingWindowCacheLike)
         self.assertEqual(actual.past_key_values.get_seq_length(), 4)
         self.assertSameTree(actual, expected)
+
+    @parametrize(
+        "entry_point",
+        ["export", "export_nonstrict", "draft_export", "dynamo_export"],
+    )
+    def test_each_entry_point_registers_new_members(self, entry_point: str) -> None:
+        # A member created since the last boundary, as input and output: each
+        # entry point registers it before it flattens anything.
+        @dataclasses.dataclass
+        class NewOutput(ModelOutputLike):
+            logits: torch.Tensor | None = None
+
+        class Scale(torch.nn.Module):
+            def forward(self, out: NewOutput) -> NewOutput:
+                return NewOutput(logits=out.logits * 2)
+
+        x = NewOutput(logits=torch.ones(2))
+        self.assertTrue(py_pytree.tree_is_leaf(x))
+        if entry_point == "dynamo_export":
+            graph_module, _ = torch._dynamo.export(Scale())(x)
+            actual = graph_module(x)
+        else:
+            export = {
+                "export": functools.partial(torch.export.export, strict=True),
+                "export_nonstrict": functools.partial(
+                    torch.export.export, strict=False
+                ),
+                "draft_export": torch.export.draft_export,
+            }[entry_point]
+            actual = export(Scale(), (x,)).module()(x)
+        self.assertIs(type(actual), NewOutput)
+        self.assertEqual(actual.logits, torch.ones(2) * 2)
 
     @parametrize_strict
     def test_export_output_class_input(self, strict: bool) -> None:
@@ -713,11 +748,13 @@ _ENTRY_POINT_FNS: dict[str, Any] = {
 
 
 class TestCompilePytreeFamily(TestCase):
-    """Dynamo meets a family member before eager code has flattened one."""
+    """Dynamo meets a family member before eager code has flattened one (a
+    member created since the last boundary is a leaf, as on stock)."""
 
     def setUp(self) -> None:
         super().setUp()
         torch._dynamo.reset()
+        py_pytree._update_pytree_families()
 
     @skipIfTorchDynamo("compiles its own function: a compiled test would inline it")
     def test_compile_fullgraph_never_flattened_before(self) -> None:
@@ -725,6 +762,8 @@ class TestCompilePytreeFamily(TestCase):
         class FreshOutput(ModelOutputLike):
             a: Any = None
             b: Any = None
+
+        py_pytree._update_pytree_families()  # registered as an export would
 
         def fn(out: FreshOutput) -> FreshOutput:
             mapped = py_pytree.tree_map(lambda t: t * 2, out)
@@ -753,6 +792,8 @@ class TestCompilePytreeFamily(TestCase):
         class NewOutput(ModelOutputLike):
             a: Any = None
             b: Any = None
+
+        py_pytree._update_pytree_families()  # registered as an export would
 
         def make_tree() -> Any:
             x, y = torch.arange(3.0), torch.ones(2)

@@ -275,6 +275,7 @@ def _build_case(case, prompt=None):
     if model_name in ("t5", "bart"):
         model = _seq2seq_model(model_name).eval()
         step = _Seq2SeqStep(model)
+        py_pytree._update_pytree_families()  # as an export does, for the eager checks
         with torch.no_grad():
             encoder_hidden = model.get_encoder()(input_ids=prefill)[0]
             out = model(
@@ -286,6 +287,7 @@ def _build_case(case, prompt=None):
     config = _decoder_config(model_name)
     model = getattr(transformers, _DECODER_MODELS[model_name])(config).eval()
     step = _DecoderStep(model)
+    py_pytree._update_pytree_families()  # as an export does, for the eager checks
     cache = None if kind == "tuple" else _new_cache(kind, config)
     kwargs = {} if cache is None else {step.cache_kwarg: cache}
     with torch.no_grad():
@@ -987,6 +989,7 @@ try:
 except ImportError:
     pass
 
+py_pytree._update_pytree_families()  # as an export or a load does
 layer = DynamicSlidingWindowLayer(sliding_window=4)
 layer.update(torch.zeros(1, 1, 6, 2), torch.zeros(1, 1, 6, 2))
 cache = DynamicCache()

@@ -111,8 +111,9 @@ def check_import_and_build_emit_no_warnings(
     test: TestCase, import_order: str, use_cache: bool
 ) -> None:
     """Import torch and transformers in ``import_order`` in a fresh process, build
-    and run a tiny BERT and GPT-2 (``use_cache``), flatten their outputs: no
-    warning, no log record of level WARNING or above, only tensor leaves."""
+    and run a tiny BERT and GPT-2 (``use_cache``), flatten their outputs after a
+    boundary: no warning, no log record of level WARNING or above, only tensor
+    leaves."""
     first, second = (
         ("torch", "transformers")
         if import_order == "torch_first"
@@ -150,6 +151,7 @@ def check_import_and_build_emit_no_warnings(
             ids = torch.randint(1, 99, (2, 5))
             with torch.no_grad():
                 outs = [bert(ids), gpt2(ids, use_cache={use_cache!r})]
+            pytree._update_pytree_families()  # as an export does
             leaves = [pytree.tree_flatten(o)[0] for o in outs]
         print(json.dumps({{
             "warnings": [f"{{w.category.__name__}}: {{w.message}}" for w in caught],
@@ -421,9 +423,11 @@ _MOE_MODELS = {
 
 
 def check_moe_load_fresh_process(test: TestCase, name: str) -> None:
-    """A tiny MoE model ``name`` exported with ``use_cache=False`` and saved loads
-    in a fresh process that only imported torch and transformers, and returns
-    eager's logits. Skips when the program calls no op of transformers."""
+    """A tiny MoE model ``name`` exported with ``use_cache=False`` and saved: in a
+    fresh process that only imported torch and transformers, loading imports
+    nothing and fails with an error that names the module to import; after that
+    one import it loads and returns eager's logits. Skips when the program calls
+    no op of transformers."""
     config_cls, model_cls, kwargs = _MOE_MODELS[name]
     if not hasattr(transformers, model_cls):
         test.skipTest(f"transformers {transformers.__version__} has no {model_cls}")
@@ -442,30 +446,49 @@ def check_moe_load_fresh_process(test: TestCase, name: str) -> None:
     }
     if not ops:
         test.skipTest(f"{model_cls} calls no op of transformers in this version")
+    op = sorted(ops)[0]
     with tempfile.TemporaryDirectory() as tmp:
         paths = [os.path.join(tmp, f) for f in ("model.pt2", "ids.pt", "logits.pt")]
         torch.export.save(ep, paths[0])
         torch.save(input_ids, paths[1])
         result = run_python(
             """
-            import json, sys
+            import importlib, json, re, sys
             import torch, transformers
 
-            before = sorted(m for m in sys.modules if ".moe" in m or "modeling_" in m)
+            def imported():
+                return sorted(m for m in sys.modules if ".moe" in m or "modeling_" in m)
+
+            before = imported()
+            try:
+                torch.export.load(sys.argv[1])
+            except RuntimeError as e:
+                error = str(e)
+            after_error = imported()
+            module = re.search(r"import ([\w.]+) before loading", error)[1]
+            importlib.import_module(module)
             ep = torch.export.load(sys.argv[1])
             out = ep.module()(torch.load(sys.argv[2]), use_cache=False)
             torch.save(out.logits, sys.argv[3])
             print(json.dumps({
                 "before": before,
-                "moe_imported": "transformers.integrations.moe" in sys.modules,
+                "after_error": after_error,
+                "error": error,
+                "module": module,
                 "type": f"{type(out).__module__}.{type(out).__qualname__}",
             }))
             """,
             *paths,
         )
         logits = torch.load(paths[2])
-    test.assertEqual(result["before"], [])  # the load imported them
-    test.assertTrue(result["moe_imported"])
+    test.assertEqual(result["before"], [])
+    test.assertEqual(result["after_error"], [])  # the load imported nothing
+    test.assertIn(
+        f"torch.ops.{op} is not registered: import transformers.integrations.moe "
+        "before loading (the program calls the custom op from there).",
+        result["error"],
+    )
+    test.assertEqual(result["module"], "transformers.integrations.moe")
     test.assertEqual(result["type"], _type_name(type(expected)))
     test.assertEqual(logits, expected.logits, atol=1e-5, rtol=1e-5)
 
@@ -563,8 +586,8 @@ class TestExportHFModelOutput(TestCase):
         not HAS_MOE_INTEGRATION, "transformers has no transformers.integrations.moe"
     )
     def test_moe_custom_op_load_fresh_process(self):
-        # the op of the experts is registered by a module that the modeling
-        # module imports: loading imports it, through ModelOutput's family
+        # the op of the experts is registered by transformers.integrations.moe,
+        # which the modeling module imports: the load error names it
         for name in _MOE_MODELS:
             with self.subTest(model=name):
                 check_moe_load_fresh_process(self, name)

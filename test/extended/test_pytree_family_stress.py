@@ -1,8 +1,10 @@
 # Owner(s): ["module: pytree"]
 
 """Concurrency tests of pytree families: threads that flatten while families and
-exact registrations change, imports in other threads. Time-bounded and
-thread-scheduled, so they stay in this repository's suites (not sent upstream).
+exact registrations change, boundaries (``_update_pytree_families()``, what an
+export or a load runs first) in several threads, imports in other threads.
+Time-bounded and thread-scheduled, so they stay in this repository's suites (not
+sent upstream).
 """
 
 import dataclasses
@@ -78,8 +80,8 @@ class TestPytreeFamilyThreads(FamilyTestCase):
         ],
     )
     def test_threads_meet_a_new_member_at_once(self, pair: Any) -> None:
-        # Two threads flatten the same never-seen family member at the same
-        # time: both must see a node, in every round.
+        # Two threads cross a boundary and flatten the same new family member
+        # at the same time: both must see a node, in every round.
         @dataclasses.dataclass
         class Base:
             x: Any
@@ -96,6 +98,7 @@ class TestPytreeFamilyThreads(FamilyTestCase):
                 if i == 0:
                     classes[0] = dataclasses.make_dataclass(f"M{r}", [], bases=(Base,))
                 barrier.wait()
+                py_pytree._update_pytree_families()
                 results[i].append(pair[i].tree_leaves([classes[0](r, (r,))]))
                 barrier.wait()
 
@@ -112,8 +115,8 @@ class TestPytreeFamilyThreads(FamilyTestCase):
     def test_stress_registration_while_flattening(self) -> None:
         # 8 threads for a bounded time: two (de)register a family and an exact
         # node, six flatten, unflatten and map with both pytrees, on members of
-        # a family that stays registered (some of them created on the way, so
-        # never seen before), of the toggled family and plain containers.
+        # a family that stays registered (some of them created on the way, and
+        # registered by a boundary), of the toggled family and plain containers.
         @dataclasses.dataclass
         class StableBase:
             x: Any
@@ -178,13 +181,12 @@ class TestPytreeFamilyThreads(FamilyTestCase):
             try:
                 while time.monotonic() < deadline:
                     pytree = _PYTREE_MODULES[(seed + n) % len(_PYTREE_MODULES)]
-                    member_cls = (
-                        dataclasses.make_dataclass(
+                    member_cls = StableBase
+                    if n % 5 == 0:
+                        member_cls = dataclasses.make_dataclass(
                             f"New{seed}_{n}", [], bases=(StableBase,)
                         )
-                        if n % 5 == 0
-                        else StableBase
-                    )
+                        py_pytree._update_pytree_families()
                     tree = {
                         "stable": [member_cls(n, (n, 1))],
                         "plain": [(n,), {"a": n}],
@@ -228,18 +230,18 @@ class TestPytreeFamilyThreads(FamilyTestCase):
 
 
     def test_member_is_never_a_leaf_while_registrations_churn(self) -> None:
-        # Two threads create members of a family and replace each one's derived
-        # registration with an exact one, as fast as they can, with a switch
-        # interval of 1 us; six others flatten the newest member with both
-        # pytrees: never a leaf. When the churn ends, each class has the exact
-        # registration, as after a sequential run.
+        # Two threads create members of a family, register them at a boundary
+        # and replace each one's derived registration with an exact one, as fast
+        # as they can, with a switch interval of 1 us; six others flatten the
+        # newest member with both pytrees: never a leaf. When the churn ends,
+        # each class has the exact registration, as after a sequential run.
         @dataclasses.dataclass
         class Base:
             x: Any
             y: Any = None
 
-        self.register_family(Base)
         newest: list[type] = [dataclasses.make_dataclass("Churned", [], bases=(Base,))]
+        self.register_family(Base)
         created: list[type] = []
         switch = sys.getswitchinterval()
         self.addCleanup(sys.setswitchinterval, switch)
@@ -252,6 +254,7 @@ class TestPytreeFamilyThreads(FamilyTestCase):
             try:
                 while time.monotonic() < deadline:
                     cls = dataclasses.make_dataclass(f"Churned{i}", [], bases=(Base,))
+                    py_pytree._update_pytree_families()
                     newest[0] = cls
                     py_pytree.register_pytree_node(
                         cls,
@@ -314,11 +317,12 @@ class TestPytreeFamilyLazyThreads(FamilyPackageTestCase):
 
     def test_import_in_another_thread_does_not_deadlock(self) -> None:
         # One thread imports a module that registers a pytree node while it is
-        # imported; others load a spec that needs that module and register a
-        # lazy family meanwhile. The registry lock is never held across an
-        # import, so all of them finish.
-        self.register_family("familypkg.base:Base")
+        # imported; others cross boundaries meanwhile, which resolve a family
+        # named in that module and wait for its import. The registry lock is
+        # never held across an import, so all of them finish, with no error.
+        self.register_family("familypkg.slow:Slow")
         errors: list[str] = []
+        done = threading.Event()
 
         def run(fn: Any) -> None:
             try:
@@ -326,22 +330,18 @@ class TestPytreeFamilyLazyThreads(FamilyPackageTestCase):
             except Exception as e:
                 errors.append(f"{type(e).__name__}: {e}")
 
+        def boundaries() -> None:
+            while not done.is_set():
+                py_pytree._update_pytree_families()
+
+        def import_slow() -> None:
+            importlib.import_module("familypkg.slow")
+            done.set()
+
         threads = [
-            threading.Thread(
-                target=run, args=(lambda: importlib.import_module("familypkg.slow"),)
-            ),
-            threading.Thread(
-                target=run,
-                args=(
-                    lambda: py_pytree.treespec_loads(
-                        self.spec_json("familypkg.slow.Slow")
-                    ),
-                ),
-            ),
-            threading.Thread(
-                target=run,
-                args=(lambda: self.register_family("familypkg.lazy2:Thing"),),
-            ),
+            threading.Thread(target=run, args=(import_slow,)),
+            threading.Thread(target=run, args=(boundaries,)),
+            threading.Thread(target=run, args=(boundaries,)),
         ]
         for t in threads:
             t.start()
@@ -350,6 +350,7 @@ class TestPytreeFamilyLazyThreads(FamilyPackageTestCase):
             t.join(timeout=30)
         self.assertFalse(any(t.is_alive() for t in threads), "deadlock")
         self.assertEqual(errors, [], "\n".join(errors))
+        py_pytree._update_pytree_families()
         self.assertIs(
             py_pytree.treespec_loads(self.spec_json("familypkg.slow.Slow")).type,
             sys.modules["familypkg.slow"].Slow,

@@ -1,12 +1,14 @@
 # Owner(s): ["module: pytree"]
 
-"""torch's lazy families of transformers and diffusers hold in every import order.
+"""torch's families of transformers and diffusers hold in every import order.
 
 Each test runs a fresh process whose first line imports a part of transformers
 (or diffusers): transformers.cache_utils, for one, imports torch while it is
 half imported itself, before it defines the classes of its families. The
-process must import, and the classes must then be pytree nodes in both
-pytrees. Needs transformers; run under each release the CI sessions install.
+process must import, nothing of torch's may sit in sys.meta_path, and after a
+boundary (an export, a load; ``_update_pytree_families()`` here) the classes
+must be pytree nodes in both pytrees. Needs transformers; run under each
+release the CI sessions install.
 """
 
 import concurrent.futures
@@ -46,6 +48,10 @@ import torch.utils._cxx_pytree as cxx_pytree
 from transformers import BatchEncoding
 from transformers.modeling_outputs import BaseModelOutput
 
+torch_finders = [
+    f for f in sys.meta_path if str(getattr(f, "__module__", "")).split(".")[0] == "torch"
+]
+py_pytree._update_pytree_families()  # what an export or a load does first
 t = torch.ones(1, 1, 1, 1)
 objects = {
     "BaseModelOutput": BaseModelOutput(last_hidden_state=t),
@@ -70,7 +76,7 @@ result = {
     for name, obj in objects.items()
     for pytree in (py_pytree, cxx_pytree)
 }
-print(json.dumps({"nodes": result}))
+print(json.dumps({"nodes": result, "torch_finders": len(torch_finders)}))
 """
 
 FIRST_LINE = """
@@ -141,6 +147,7 @@ class TestHFImportOrder(TestCase):
                 self.assertNotIn("crash", result, result.get("crash"))
                 self.assertNotIn("errors", result)
                 self.assertTrue(result["nodes"])
+                self.assertEqual(result["torch_finders"], 0)
                 leaves = [name for name, node in result["nodes"].items() if not node]
                 self.assertEqual(leaves, [], "leaves instead of nodes")
 

@@ -278,6 +278,9 @@ class _DictFamilyLate(_DictFamilySub):
     pass
 
 
+# They are nodes from torch's next boundary (an export, a load) on.
+py_pytree._update_pytree_families()
+
 # The twins are registered class by class (below); the bases of the output
 # family hold no fields and are not generated, so they stay unregistered.
 _TWIN_OF = {
@@ -1100,7 +1103,8 @@ class TestPytreeProperties(TestCase):
         self.assertSameObjects(leaves, ref_leaves)
 
     def _fresh_member_container(self, tree: Any, mapping: bool, fields: list) -> list:
-        # A family subclass created after registration and seen first by _cxx_pytree.
+        # A family subclass created after registration, registered at a boundary
+        # (as at the start of an export) and flattened first by _cxx_pytree.
         type(self)._fresh_count += 1
         names = [f"f{i}" for i in range(len(fields))]
         cls = dataclasses.make_dataclass(
@@ -1108,6 +1112,7 @@ class TestPytreeProperties(TestCase):
             [(name, Any, dataclasses.field(default=None)) for name in names],
             bases=(_Output if mapping else _DataPlain,),
         )
+        py_pytree._update_pytree_families()
         return [cls(**dict(zip(names, fields))), tree]
 
     # -- 8. flatten_up_to, spec equality and hash ---------------------------------
