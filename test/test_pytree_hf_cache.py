@@ -156,27 +156,27 @@ class TestPytreeHFCache(TestCase):
             pprint.pformat(nodes(spec), width=80).replace(f"{__name__}.", ""),
             """\
 [('CompressedCache',
-  ('layers',
+  ['layers',
    ('layer_class_to_replicate', <class 'Layer'>),
    ('offloading', False),
    'linear_cache',
    'entry_count',
-   ('settings', {0: (1.5, 'mean'), 1: [{device(type='cpu')}, torch.int8]}))),
+   ('settings', {0: (1.5, 'mean'), 1: [{device(type='cpu')}, torch.int8]})]),
  ('list', None),
  ('Layer',
-  ('keys', 'values', ('is_initialized', True), ('device', device(type='cpu')))),
+  ['keys', 'values', ('is_initialized', True), ('device', device(type='cpu'))]),
  ('SlidingLayer',
-  ('keys',
+  ['keys',
    'values',
    ('is_initialized', True),
    'sliding_window',
    'cumulative_length',
-   ('device', device(type='cpu')))),
+   ('device', device(type='cpu'))]),
  ('StateLayer',
-  ('number_of_states',
+  ['number_of_states',
    'conv_states',
    ('has_previous_state', {0: True}),
-   ('dtype', torch.float32))),
+   ('dtype', torch.float32)]),
  ('dict', [0]),
  ('list', None),
  ('list', None),
@@ -342,6 +342,23 @@ class TestPytreeHFCache(TestCase):
             self.assertIs(type(mapped.layers[0]), Layer)
         spec = py_pytree.tree_structure(cache)
         self.assertEqual(py_pytree.treespec_loads(py_pytree.treespec_dumps(spec)), spec)
+
+    @pytree_impls
+    def test_a_stream_is_carried_state(self, pytree: Any) -> None:
+        # The stream of an offloaded cache: the rebuilt cache gets it back, but
+        # it is no leaf (tree_map does not see it) and not in the spec, which
+        # equals that of a cache with another stream and serializes.
+        cache, other = Cache([Layer()]), Cache([Layer()])
+        cache.stream, other.stream = torch.Stream(device="cpu"), torch.Event()
+        leaves, spec = pytree.tree_flatten(cache)
+        self.assertEqual(leaves, [])
+        self.assertIs(pytree.tree_unflatten(leaves, spec).stream, cache.stream)
+        self.assertIs(pytree.tree_map(lambda x: x, cache).stream, cache.stream)
+        self.assertEqual(spec, pytree.tree_structure(other))
+        py_spec = py_pytree.tree_structure(cache)
+        loaded = py_pytree.treespec_loads(py_pytree.treespec_dumps(py_spec))
+        self.assertEqual(loaded, py_spec)
+        self.assertFalse(hasattr(py_pytree.tree_unflatten([], loaded), "stream"))
 
     @parametrize("strict", [False, True])
     def test_export_decode_step(self, strict: bool) -> None:

@@ -779,6 +779,40 @@ class TestCompilePytreeFamily(TestCase):
         self.assertEqual(result.a, x * 2 + 1)
 
     @skipIfTorchDynamo("compiles its own function: a compiled test would inline it")
+    def test_compile_refuses_what_eager_refuses(self) -> None:
+        # After a first call, the graph is not reused for a member that holds
+        # more than its fields: the check reads what the guards watch.
+        def fn(out: Any) -> Any:
+            return py_pytree.tree_map(lambda t: t * 2, out)
+
+        compiled = torch.compile(fn, fullgraph=True, backend="eager")
+        first = DynamicCacheLike(keys=[torch.ones(2)], values=[torch.ones(2)])
+        self.assertEqual(compiled(first).keys[0], torch.ones(2) * 2)
+        extra = DynamicCacheLike(keys=[torch.ones(2)], values=[torch.ones(2)])
+        extra.note = "set by hand"
+        for call in (fn, compiled):
+            with self.assertRaisesRegex(Exception, "its attribute 'note' is not a field"):
+                call(extra)
+
+    @skipIfTorchDynamo("compiles its own function: a compiled test would inline it")
+    def test_compile_mapping_state(self) -> None:
+        # A graph cannot carry a mapping's other attributes: None ones are left
+        # to its constructor, any other value is refused, as no graph may drop it.
+        def fn(batch: BatchLike) -> BatchLike:
+            return py_pytree.tree_map(lambda t: t + 1, batch)
+
+        compiled = torch.compile(fn, fullgraph=True, backend="eager")
+        batch = BatchLike({"ids": torch.ones(2)})
+        batch.encodings = None
+        self.assertEqual(compiled(batch)["ids"], torch.ones(2) * 2)
+        batch.encodings = ["kept in eager"]
+        self.assertEqual(fn(batch).encodings, ["kept in eager"])
+        with self.assertRaisesRegex(
+            Exception, "its attribute 'encodings' is state a compiled graph cannot carry"
+        ):
+            compiled(batch)
+
+    @skipIfTorchDynamo("compiles its own function: a compiled test would inline it")
     @parametrize_pytree
     @parametrize("entry_point", list(_ENTRY_POINT_FNS))
     @parametrize("kind", ["plain", "member", "new_member"])

@@ -867,7 +867,7 @@ class TestHFCacheFamily(TestCase):
     @parametrize("pytree", pytree_params)
     def test_offloaded_cache_keeps_its_stream(self, pytree):
         # tree_map over an offloaded cache returns one with its stream and flags
-        # (the stream is a leaf; before, flattening raised a TypeError)
+        # (the stream is state the spec carries, not a leaf)
         from transformers.cache_utils import DynamicCache, DynamicLayer
 
         # the state DynamicCache(offloading=True) sets, with a CPU stream: the
