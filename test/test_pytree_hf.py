@@ -9,8 +9,10 @@ import dataclasses
 import importlib
 import importlib.util
 import json
+import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 import unittest
 from typing import Any
@@ -152,6 +154,58 @@ class TestPytreeHF(TestCase):
         )
         self.assertEqual(
             result, ["transformers.modeling_outputs", "BaseModelOutputWithPast"]
+        )
+
+    def test_loading_imports_only_modules_of_the_libraries(self) -> None:
+        # A spec being loaded may import a module of transformers' or diffusers'
+        # own package, once the package is imported (here a stand-in package of
+        # that name), and nothing else; whatever that module raises, Ctrl-C
+        # included, is an ImportError that names it.
+        with tempfile.TemporaryDirectory() as root:
+            for package in ("transformers", "mylib"):
+                os.makedirs(os.path.join(root, package))
+                for module, text in (
+                    ("__init__", ""),
+                    ("ran", "import sys; sys.ran = True\n"),
+                    ("interrupted", "raise KeyboardInterrupt\n"),
+                ):
+                    path = os.path.join(root, package, f"{module}.py")
+                    with open(path, "w") as f:
+                        f.write(text)
+            result = run_python(
+                f"""
+                import json, sys
+                sys.path.insert(0, {root!r})
+                import torch, transformers, mylib
+                import torch.utils._pytree as pytree
+
+                def load(name):
+                    spec = pytree.treespec_dumps(pytree.tree_structure((1,)))
+                    try:
+                        pytree.treespec_loads(spec.replace("builtins.tuple", name))
+                    except BaseException as e:
+                        return type(e).__name__, str(e)
+
+                print(json.dumps({{
+                    name: load(name) + (hasattr(sys, "ran"),)
+                    for name in (
+                        "mylib.ran.Out", "transformers.ran.Out",
+                        "transformers.interrupted.Out",
+                    )
+                }}))
+                """
+            )
+        self.assertEqual(result["mylib.ran.Out"][0], "NotImplementedError")
+        self.assertFalse(result["mylib.ran.Out"][2])  # not imported
+        self.assertEqual(result["transformers.ran.Out"][0], "NotImplementedError")
+        self.assertTrue(result["transformers.ran.Out"][2])  # imported: no such class
+        self.assertEqual(
+            result["transformers.interrupted.Out"][:2],
+            [
+                "ImportError",
+                "Importing transformers.interrupted to load "
+                "transformers.interrupted.Out failed: KeyboardInterrupt()",
+            ],
         )
 
     @unittest.skipIf(not HAS_TRANSFORMERS, "transformers is not installed")

@@ -460,11 +460,19 @@ def check_moe_load_fresh_process(test: TestCase, name: str) -> None:
                 return sorted(m for m in sys.modules if ".moe" in m or "modeling_" in m)
 
             before = imported()
+            read = []  # the source files of transformers that the failed load opens
+            package = transformers.__file__.rpartition("/")[0]
+            sys.addaudithook(
+                lambda event, args: event == "open"
+                and str(args[0]).startswith(package)
+                and str(args[0]).endswith(".py")
+                and read.append(args[0])
+            )
             try:
                 torch.export.load(sys.argv[1])
             except RuntimeError as e:
                 error = str(e)
-            after_error = imported()
+            after_error, sources_read = imported(), len(read)
             module = re.search(r"import ([\w.]+) before loading", error)[1]
             importlib.import_module(module)
             ep = torch.export.load(sys.argv[1])
@@ -473,6 +481,7 @@ def check_moe_load_fresh_process(test: TestCase, name: str) -> None:
             print(json.dumps({
                 "before": before,
                 "after_error": after_error,
+                "sources_read": sources_read,
                 "error": error,
                 "module": module,
                 "type": f"{type(out).__module__}.{type(out).__qualname__}",
@@ -483,6 +492,7 @@ def check_moe_load_fresh_process(test: TestCase, name: str) -> None:
         logits = torch.load(paths[2])
     test.assertEqual(result["before"], [])
     test.assertEqual(result["after_error"], [])  # the load imported nothing
+    test.assertEqual(result["sources_read"], 0)  # nor read transformers' sources
     test.assertIn(
         f"torch.ops.{op} is not registered: import transformers.integrations.moe "
         "before loading (the program calls the custom op from there).",
