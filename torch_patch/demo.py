@@ -353,13 +353,9 @@ def _decode(model, prefill) -> dict:
             expected.append(model(input_ids=token, use_cache=True, **{name: copy.deepcopy(c)}))
             c = expected[-1][name]
         kwargs = {"input_ids": tokens[0], name: copy.deepcopy(cache), "use_cache": True}
-        shapes = torch.export.ShapesCollection()
-        length = torch.export.Dim("length", max=model.config.n_positions - 1)
-        for leaf in pytree.tree_leaves(kwargs[name]):  # the cache length is dynamic
-            if isinstance(leaf, torch.Tensor):
-                shapes[leaf] = {2: length}
-        program = torch.export.export(model, (), kwargs,
-                                      dynamic_shapes=shapes.dynamic_shapes(model, (), kwargs))
+        # its lengths and counters vary from step to step: Dim.AUTO for the whole cache
+        shapes = {"input_ids": None, name: torch.export.Dim.AUTO, "use_cache": None}
+        program = torch.export.export(model, (), kwargs, dynamic_shapes=shapes)
         run, diffs, c = program.module(), [], copy.deepcopy(cache)
         for token, want in zip(tokens, expected):
             got = run(input_ids=token, use_cache=True, **{name: c})
