@@ -621,6 +621,45 @@ class TestExportHFModelOutput(TestCase):
         if module_name == "encoding_to_feature":
             self.assertIs(ep.call_spec.out_spec.type, transformers.BatchFeature)
 
+    def test_fast_tokenizer_output_as_input(self):
+        # A program exported with one output of a fast tokenizer takes another
+        # with the same keys (the encodings are state, not structure), saves,
+        # and loads in a fresh process, whose example input has no encodings.
+        from tokenizers import models, pre_tokenizers, Tokenizer
+        from transformers import PreTrainedTokenizerFast
+
+        vocab = {"[UNK]": 0, "[PAD]": 1, "hello": 2, "world": 3}
+        backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+        backend.pre_tokenizer = pre_tokenizers.Whitespace()
+        tokenizer = PreTrainedTokenizerFast(
+            tokenizer_object=backend, unk_token="[UNK]", pad_token="[PAD]"
+        )
+        first = tokenizer(["hello world", "world"], padding=True, return_tensors="pt")
+        other = tokenizer(["world hello", "hello"], padding=True, return_tensors="pt")
+        mod = _batch_modules()["encoding_to_feature"]
+        for strict in (True, False):
+            with self.subTest(strict=strict), tempfile.TemporaryDirectory() as tmp:
+                with torch.no_grad():
+                    ep = torch.export.export(mod, (first,), strict=strict)
+                assert_same_mapping_output(self, mod(other), ep.module()(other))
+                paths = [os.path.join(tmp, f) for f in ("step.pt2", "in.pt", "out.pt")]
+                torch.export.save(ep, paths[0])
+                torch.save(dict(other), paths[1])
+                result = run_python(
+                    """
+                    import json, sys
+                    import torch, transformers
+                    ep = torch.export.load(sys.argv[1])
+                    (example,), _ = ep.example_inputs
+                    batch = transformers.BatchEncoding(torch.load(sys.argv[2]))
+                    torch.save(ep.module()(batch)["hidden"], sys.argv[3])
+                    print(json.dumps([type(example).__name__, example.encodings]))
+                    """,
+                    *paths,
+                )
+                self.assertEqual(result, ["BatchEncoding", None])
+                self.assertEqual(torch.load(paths[2]), mod(other)["hidden"])
+
     def test_batch_encoding_save_load_fresh_process(self):
         from transformers.modeling_outputs import (
             BaseModelOutputWithPoolingAndCrossAttentions,
