@@ -48,6 +48,19 @@ def run_python(script: str) -> Any:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+def fast_tokenizer() -> Any:
+    """A fast tokenizer of four words, built here: nothing is downloaded."""
+    from tokenizers import models, pre_tokenizers, Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, "[PAD]": 1, "hello": 2, "world": 3}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="[UNK]", pad_token="[PAD]"
+    )
+
+
 class TestPytreeHF(TestCase):
     def setUp(self) -> None:
         super().setUp()
@@ -247,15 +260,7 @@ class TestPytreeHF(TestCase):
     def test_fast_tokenizer_output_keeps_its_encodings(self, pytree: Any) -> None:
         # tree_map over a fast tokenizer's output maps its tensors and keeps
         # everything else it holds: word_ids() needs the encodings.
-        from tokenizers import models, pre_tokenizers, Tokenizer
-        from transformers import PreTrainedTokenizerFast
-
-        vocab = {"[UNK]": 0, "[PAD]": 1, "hello": 2, "world": 3}
-        backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-        backend.pre_tokenizer = pre_tokenizers.Whitespace()
-        tokenizer = PreTrainedTokenizerFast(
-            tokenizer_object=backend, unk_token="[UNK]", pad_token="[PAD]"
-        )
+        tokenizer = fast_tokenizer()
         batch = tokenizer(["hello world", "world"], padding=True, return_tensors="pt")
         mapped = pytree.tree_map_only(torch.Tensor, lambda t: t * 2, batch)
         self.assertIs(type(mapped), type(batch))

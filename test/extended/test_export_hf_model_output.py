@@ -625,15 +625,12 @@ class TestExportHFModelOutput(TestCase):
         # A program exported with one output of a fast tokenizer takes another
         # with the same keys (the encodings are state, not structure), saves,
         # and loads in a fresh process, whose example input has no encodings.
-        from tokenizers import models, pre_tokenizers, Tokenizer
-        from transformers import PreTrainedTokenizerFast
+        test_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        sys.path.insert(0, test_dir)
+        self.addCleanup(sys.path.remove, test_dir)
+        from test_pytree_hf import fast_tokenizer
 
-        vocab = {"[UNK]": 0, "[PAD]": 1, "hello": 2, "world": 3}
-        backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-        backend.pre_tokenizer = pre_tokenizers.Whitespace()
-        tokenizer = PreTrainedTokenizerFast(
-            tokenizer_object=backend, unk_token="[UNK]", pad_token="[PAD]"
-        )
+        tokenizer = fast_tokenizer()
         first = tokenizer(["hello world", "world"], padding=True, return_tensors="pt")
         other = tokenizer(["world hello", "hello"], padding=True, return_tensors="pt")
         mod = _batch_modules()["encoding_to_feature"]
