@@ -219,9 +219,7 @@ class TestPytreeFamilyLazy(FamilyPackageTestCase):
             importer = threading.Thread(
                 target=importlib.import_module, args=(f"familypkg.racy{i}",)
             )
-            registrar = threading.Thread(
-                target=self.register_family, args=(name,)
-            )
+            registrar = threading.Thread(target=self.register_family, args=(name,))
             importer.start()
             registrar.start()
             importer.join()

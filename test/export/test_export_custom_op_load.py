@@ -204,7 +204,10 @@ class TestExportCustomOpLoad(TestCase):
         # neither imported nor run, whatever they would raise.
         marker = os.path.join(self.root, "ran")
         for path, text in (
-            ("opspkg/broken.py", '# defines "opspkg::scale" too\nraise SystemExit(2)\n'),
+            (
+                "opspkg/broken.py",
+                '# defines "opspkg::scale" too\nraise SystemExit(2)\n',
+            ),
             ("opspkg/ctrlc.py", '# "opspkg::scale"\nraise KeyboardInterrupt\n'),
             ("stray/run.py", f'# "opspkg::scale"\nopen({marker!r}, "w")\n'),
         ):

@@ -792,7 +792,9 @@ class TestCompilePytreeFamily(TestCase):
         extra = DynamicCacheLike(keys=[torch.ones(2)], values=[torch.ones(2)])
         extra.note = "set by hand"
         for call in (fn, compiled):
-            with self.assertRaisesRegex(Exception, "its attribute 'note' is not a field"):
+            with self.assertRaisesRegex(
+                Exception, "its attribute 'note' is not a field"
+            ):
                 call(extra)
 
     @skipIfTorchDynamo("compiles its own function: a compiled test would inline it")
@@ -809,7 +811,8 @@ class TestCompilePytreeFamily(TestCase):
         batch.encodings = ["kept in eager"]
         self.assertEqual(fn(batch).encodings, ["kept in eager"])
         with self.assertRaisesRegex(
-            Exception, "its attribute 'encodings' is state a compiled graph cannot carry"
+            Exception,
+            "its attribute 'encodings' is state a compiled graph cannot carry",
         ):
             compiled(batch)
 
