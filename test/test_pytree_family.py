@@ -661,6 +661,18 @@ TreeSpec(EncoderOutput, ['last_hidden_state', 'attentions'], [*,
         self.assertEqual(pytree.tree_leaves(Out()), [])
 
     @pytree_impls
+    def test_a_field_that_is_not_its_item_is_refused(self, pytree: Any) -> None:
+        # A ModelOutput-like field and its item are one value: rebuilding would
+        # set the attribute to the item.
+        self.register_family(ModelOutputLike)
+        out = EncoderOutput(last_hidden_state=1)
+        object.__setattr__(out, "last_hidden_state", 2)  # as setattr would not
+        with self.assertRaisesRegex(
+            TypeError, "its field 'last_hidden_state' does not hold its item"
+        ):
+            pytree.tree_flatten(out)
+
+    @pytree_impls
     def test_overridden_keys_keep_values_with_their_keys(self, pytree: Any) -> None:
         class SortedKeys(PlainDictBase):
             def keys(self) -> Any:
