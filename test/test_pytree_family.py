@@ -668,7 +668,7 @@ TreeSpec(EncoderOutput, ['last_hidden_state', 'attentions'], [*,
         out = EncoderOutput(last_hidden_state=1)
         object.__setattr__(out, "last_hidden_state", 2)  # as setattr would not
         with self.assertRaisesRegex(
-            TypeError, "its field 'last_hidden_state' does not hold its item"
+            TypeError, "its field 'last_hidden_state' is not its item"
         ):
             pytree.tree_flatten(out)
 
