@@ -174,13 +174,17 @@ def cache_loss(out: LMOutputLike) -> torch.Tensor:
 if HAS_TRANSFORMERS:
 
     class BertLikeEncoder(Encoder):
-        """``Encoder`` returning transformers' own output class."""
+        """``Encoder`` returning transformers' own output class, whose module is
+        imported when the model is built, before DDP registers the families."""
 
-        def forward(self, x: torch.Tensor) -> Any:
+        def __init__(self) -> None:
+            super().__init__()
             from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-            out = super().forward(x)
-            return BaseModelOutputWithPooling(**out)
+            self.output_class = BaseModelOutputWithPooling
+
+        def forward(self, x: torch.Tensor) -> Any:
+            return self.output_class(**super().forward(x))
 
     class TinyLlama(torch.nn.Module):
         """A tiny Llama whose output carries a ``DynamicCache``."""

@@ -720,8 +720,8 @@ class TestExportHFModelOutput(TestCase):
 
     @unittest.skipIf(cxx_pytree is None, "missing optree package")
     def test_compile_cxx_tree_map_in_fresh_process(self):
-        # A fresh process: transformers is imported, which makes the lazy
-        # ModelOutput family live, but no output was flattened before Dynamo
+        # A fresh process: transformers is imported and a boundary registered
+        # its ModelOutput family, but no output was flattened before Dynamo
         # meets one in a cxx_pytree call.
         result = run_python(
             """
@@ -729,6 +729,8 @@ class TestExportHFModelOutput(TestCase):
             import torch
             import torch.utils._cxx_pytree as cxx_pytree
             import transformers.modeling_outputs as mo
+
+            torch.utils._pytree._update_pytree_families()  # as an export would
 
             def fn(o):
                 return cxx_pytree.tree_map(lambda v: v + 1, o)
@@ -762,6 +764,7 @@ class TestExportHFModelOutput(TestCase):
             loss: torch.Tensor | None = None
             extra: tuple | None = None
 
+        py_pytree._update_pytree_families()  # 4.31 does not register it: a boundary
         logits, e0, e1 = torch.randn(2, 4), torch.randn(1), torch.randn(2)
         out = MyOutput(logits=logits, extra=(e0, e1))
         leaves, spec = pytree.tree_flatten(out)

@@ -281,7 +281,7 @@ class TestPytreeFamilyThreads(FamilyTestCase):
         for t in threads:
             t.join(timeout=60)
         self.assertFalse(any(t.is_alive() for t in threads), "a thread hangs")
-        self.assertEqual(errors, [])
+        self.assertEqual(errors, [], "\n".join(errors[:3]))
         self.assertGreater(min(flattens), 100)
         self.assertGreater(len(created), 100)
         for cls in created:  # exact, in both pytrees, as after a sequential run

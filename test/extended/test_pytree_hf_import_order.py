@@ -51,7 +51,6 @@ from transformers.modeling_outputs import BaseModelOutput
 torch_finders = [
     f for f in sys.meta_path if str(getattr(f, "__module__", "")).split(".")[0] == "torch"
 ]
-py_pytree._update_pytree_families()  # what an export or a load does first
 t = torch.ones(1, 1, 1, 1)
 objects = {
     "BaseModelOutput": BaseModelOutput(last_hidden_state=t),
@@ -70,6 +69,7 @@ if DIFFUSERS:
         sample: torch.Tensor = None
 
     objects["diffusers BaseOutput"] = Out(sample=t)
+py_pytree._update_pytree_families()  # what an export or a load does first
 result = {
     f"{name} ({pytree.__name__.rpartition('.')[2]})": not pytree.tree_is_leaf(obj)
     and any(torch.is_tensor(leaf) for leaf in pytree.tree_leaves(obj))
