@@ -138,7 +138,9 @@ class FamilyTestCase(TestCase):
         # The classes of earlier tests, which their cleanups deregistered, are
         # garbage: gone before this test's boundaries walk the subclasses (a
         # class that is alive is registered, and shares its name with this
-        # test's class of its parametrization).
+        # test's class of its parametrization). A dynamo-wrapped run keeps them
+        # alive in Dynamo's caches: a test that dumps a spec of its own classes
+        # names them once per parametrization.
         py_pytree.treespec_loads.cache_clear()
         gc.collect()
 
@@ -673,6 +675,22 @@ TreeSpec(EncoderOutput, ['last_hidden_state', 'attentions'], [*,
             pytree.tree_flatten(out)
 
     @pytree_impls
+    def test_a_field_that_is_a_copy_of_its_tuple_item(self, pytree: Any) -> None:
+        # Dynamo rebuilds an object made before a graph break with a copy of a
+        # tuple for each reference to it: the same elements, nothing to lose.
+        self.register_family(ModelOutputLike)
+        out = EncoderOutput(attentions=(torch.ones(1), (torch.zeros(1),)))
+        item = out["attentions"]
+        object.__setattr__(out, "attentions", tuple([item[0], tuple(list(item[1]))]))
+        self.assertIsNot(out.attentions, item)
+        leaves, spec = pytree.tree_flatten(out)
+        self.assertEqual(len(leaves), 2)
+        self.assertIs(leaves[1], item[1][0])
+        object.__setattr__(out, "attentions", (item[0], (torch.zeros(1),)))
+        with self.assertRaisesRegex(TypeError, "its field 'attentions' is not"):
+            pytree.tree_flatten(out)
+
+    @pytree_impls
     def test_overridden_keys_keep_values_with_their_keys(self, pytree: Any) -> None:
         class SortedKeys(PlainDictBase):
             def keys(self) -> Any:
@@ -942,6 +960,8 @@ class TestPytreeFamilySpecs(FamilyTestCase):
         class LatePoint(Point3):
             w: Any = None
 
+        for cls in (LateOutput, LatePoint):
+            cls.__qualname__ += "_" + pytree.__name__.rpartition(".")[2]
         boundary()
         tree = {
             "out": LateOutput(

@@ -100,6 +100,9 @@ def _export(model: Any) -> torch.export.ExportedProgram:
     shapes[inputs["position_ids"]] = {0: batch, 1: seq}
     # past + seq, which export derives; bounded too, or ExecuTorch plans its size
     shapes[inputs["attention_mask"]] = {0: batch, 1: Dim.AUTO(max=2 * MAX_LENGTH)}
+    # the cache's leaves, walked before any export: register the classes an
+    # export registers at its start (docs/design.md, patch 2)
+    pytree._update_pytree_families()
     for tensor in pytree.tree_leaves(inputs[cache_name]):
         shapes[tensor] = {0: batch, 2: length}
     with torch.no_grad():

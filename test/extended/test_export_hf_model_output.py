@@ -509,10 +509,13 @@ class _EncodingToFeature(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.embed = torch.nn.Embedding(VOCAB, 8)
+        # imported here, as a model's module imports its output classes: a class
+        # first imported while export traces is not registered by that export
+        self.output_class = transformers.BatchFeature
 
     def forward(self, batch):
         h = self.embed(batch.input_ids) * batch["attention_mask"].unsqueeze(-1)
-        return transformers.BatchFeature({"hidden": h, "pooled": (h.mean(1),)})
+        return self.output_class({"hidden": h, "pooled": (h.mean(1),)})
 
 
 class _CallWithBatch(torch.nn.Module):

@@ -99,6 +99,9 @@ def _export(model: Any) -> Any:
     shapes[inputs["position_ids"]] = {0: batch, 1: seq}
     # past + seq, which export derives
     shapes[inputs["attention_mask"]] = {0: batch, 1: torch.export.Dim.AUTO}
+    # the cache's leaves, walked before any export: register the classes an
+    # export registers at its start (docs/design.md, patch 2)
+    pytree._update_pytree_families()
     for tensor in pytree.tree_leaves(inputs[cache_argument(model)]):
         shapes[tensor] = {0: batch, 2: past}
     with torch.no_grad():
