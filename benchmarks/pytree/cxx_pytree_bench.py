@@ -41,9 +41,11 @@ def family() -> None:
 
 
 def import_transformers() -> None:
-    """Its lazy families (``ModelOutput``, ``Cache``) become live."""
+    """Its families (``ModelOutput``, ``Cache``) registered, as an export does."""
     import transformers.cache_utils
     import transformers.modeling_outputs  # noqa: F401
+
+    pytree._update_pytree_families()
 
 
 def items(stock: Any) -> tuple[list[pb.Member | Callable[[], None]], list[str]]:
