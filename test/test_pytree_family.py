@@ -681,8 +681,8 @@ TreeSpec(EncoderOutput, ['last_hidden_state', 'attentions'], [*,
         self.register_family(ModelOutputLike)
         out = EncoderOutput(attentions=(torch.ones(1), (torch.zeros(1),)))
         item = out["attentions"]
-        object.__setattr__(out, "attentions", tuple([item[0], tuple(list(item[1]))]))
-        self.assertIsNot(out.attentions, item)
+        object.__setattr__(out, "attentions", (item[0], (*item[1],)))
+        self.assertIsNot(out.attentions[1], item[1])
         leaves, spec = pytree.tree_flatten(out)
         self.assertEqual(len(leaves), 2)
         self.assertIs(leaves[1], item[1][0])

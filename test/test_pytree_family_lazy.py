@@ -184,8 +184,9 @@ class TestPytreeFamilyLazy(FamilyPackageTestCase):
         with self.assertWarnsRegex(
             UserWarning,
             r"register_pytree_family\('familypkg.notdata:NotData'\) has no effect: "
-            r"register_pytree_family: familypkg.notdata.NotData is neither a "
-            r"dataclass nor a mapping",
+            r"familypkg.notdata.NotData is neither a dataclass nor a mapping; "
+            r"decorate it with @dataclasses.dataclass, or pass flatten_fn and "
+            r"unflatten_fn\.$",
         ):
             boundary()
 
