@@ -142,6 +142,7 @@ def tests_hf446(session: nox.Session) -> None:
 _DEPLOY_TESTS = (
     "test/extended/test_onnx_hf_decode.py",
     "test/extended/test_export_hf_executorch.py",
+    "test/extended/test_export_hf_save_decode.py",
     "test/extended/test_onnx_hf_models.py",
     "test/extended/test_pytree_hf_import_order.py",
 )
