@@ -1,9 +1,12 @@
 # Owner(s): ["oncall: export"]
 
 """The message of an ep.module() guard that fails on an input that export took
-as a constant of the example names the fix: dynamic_shapes."""
+as a constant of the example names the fix: dynamic_shapes. In eager it gives
+the values of the guard's inputs, in this call and at export, and says when the
+model's own code fixed them, where dynamic_shapes cannot help."""
 
 import dataclasses
+import io
 
 import torch
 import torch.utils._pytree as pytree
@@ -127,7 +130,105 @@ class TestGuardMessageRule(TestCase):
             self.assertEqual(str(cm.exception), f"Guard failed: {message}")
 
 
+@dataclasses.dataclass
+class Window:
+    keys: torch.Tensor  # dim 0 grows by one per step
+    length: int  # increments per step
+    window: int  # a setting: the length past which the step takes the other branch
+
+
+pytree.register_dataclass(
+    Window, serialized_type_name="test_export_guard_fix_hint.Window"
+)
+
+
+class WindowStep(torch.nn.Module):
+    def forward(self, x: torch.Tensor, w: Window) -> torch.Tensor:
+        if w.length < w.window:  # a branch on two inputs
+            return torch.cat([w.keys, x]).sum(0)
+        return w.keys.sum(0)
+
+
+class Branch(torch.nn.Module):
+    def forward(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        if n == 6:  # fixes n even when dynamic_shapes lets it vary
+            return x * 2
+        return x + n
+
+
+class Plain(torch.nn.Module):
+    def forward(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        return x + n
+
+
+def _saved_and_loaded(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    buffer = io.BytesIO()
+    torch.export.save(ep, buffer)
+    buffer.seek(0)
+    return torch.export.load(buffer)
+
+
+class TestGuardValues(TestCase):
+    def _message(self, module: torch.nn.Module, *args: object) -> str:
+        with self.assertRaises(AssertionError) as cm:
+            module(*args)
+        return str(cm.exception)
+
+    @parametrize("strict", [True, False])
+    def test_a_constant_of_the_example(self, strict: bool) -> None:
+        ep = export(Plain(), (torch.ones(3), 2), strict=strict)
+        for module in (ep.module(), _saved_and_loaded(ep).module()):
+            self.assertExpectedInline(
+                self._message(module, torch.ones(3), 3),
+                """Guard failed: n == 2 (3 in this call; fixed at export: dynamic_shapes, e.g. Dim.AUTO, lets it vary)""",  # noqa: B950
+            )
+
+    @parametrize("strict", [True, False])
+    def test_a_constant_of_the_model_code(self, strict: bool) -> None:
+        # Dim.AUTO lets n vary; the model's code fixes it: no dynamic_shapes hint
+        ep = export(
+            Branch(),
+            (torch.ones(3), 6),
+            dynamic_shapes={"x": None, "n": Dim.AUTO},
+            strict=strict,
+        )
+        for module in (ep.module(), _saved_and_loaded(ep).module()):
+            self.assertExpectedInline(
+                self._message(module, torch.ones(3), 7),
+                """Guard failed: n == 6 (7 in this call; the model's code fixed it at export, even with dynamic_shapes: a branch (a counter reaching a sliding window, say) needs one program per side)""",  # noqa: B950
+            )
+
+    def test_a_relation_of_two_inputs(self) -> None:
+        # non-strict: strict export takes the ints of a dataclass as constants
+        w = Window(torch.randn(3, 4), 3, 5)
+        shapes = (None, Window({0: Dim.AUTO}, Dim.AUTO, Dim.AUTO))
+        ep = export(WindowStep(), (torch.randn(1, 4), w), dynamic_shapes=shapes)
+        w.length = 9  # the example changed after export: not a value at export
+        for module in (ep.module(), _saved_and_loaded(ep).module()):
+            x, later = torch.randn(1, 4), Window(torch.randn(4, 4), 4, 5)
+            self.assertEqual(module(x, later), WindowStep()(x, later))
+            self.assertExpectedInline(
+                self._message(module, x, Window(torch.randn(5, 4), 5, 5)),
+                """\
+Guard failed: w.length < w.window
+  w.length: 5 in this call, 3 at export
+  w.window: 5 in this call and at export
+The model's code required this of its inputs at export; a branch (a counter reaching a sliding window, say) needs one program per side.""",  # noqa: B950
+            )
+
+    @parametrize("strict", [True, False])
+    def test_a_traced_program_keeps_its_guards(self, strict: bool) -> None:
+        # the guards traced again by export: a failing call still fails
+        ep = export(Plain(), (torch.ones(3), 2), strict=strict)
+        again = export(ep.module(), (torch.ones(3), 2), strict=strict).module()
+        self.assertEqual(again(torch.ones(3), 2), torch.full((3,), 3.0))
+        self.assertRegex(
+            self._message(again, torch.ones(3), 3), r"^Guard failed: n == 2"
+        )
+
+
 instantiate_parametrized_tests(TestGuardMessage)
+instantiate_parametrized_tests(TestGuardValues)
 
 
 if __name__ == "__main__":

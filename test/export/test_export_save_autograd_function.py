@@ -39,7 +39,9 @@ class Model(torch.nn.Module):
 
 def flat_apply_nodes(ep: torch.export.ExportedProgram) -> list[torch.fx.Node]:
     return list(
-        ep.graph.find_nodes(op="call_function", target=torch.ops.higher_order.flat_apply)
+        ep.graph.find_nodes(
+            op="call_function", target=torch.ops.higher_order.flat_apply
+        )
     )
 
 
@@ -55,9 +57,16 @@ class TestExportSaveAutogradFunction(TestCase):
         torch.export.save(self.ep, buffer)
         loaded = torch.export.load(buffer)
         (node,) = flat_apply_nodes(loaded)
-        func_spec, in_spec = (getattr(loaded.graph_module, a.target) for a in node.args[:2])
-        self.assertEqual(func_spec, self.spec_of(_call_custom_autograd_function_in_pre_dispatch))
-        self.assertEqual(in_spec, getattr(self.ep.graph_module, flat_apply_nodes(self.ep)[0].args[1].target))
+        func_spec, in_spec = (
+            getattr(loaded.graph_module, a.target) for a in node.args[:2]
+        )
+        self.assertEqual(
+            func_spec, self.spec_of(_call_custom_autograd_function_in_pre_dispatch)
+        )
+        self.assertEqual(
+            in_spec,
+            getattr(self.ep.graph_module, flat_apply_nodes(self.ep)[0].args[1].target),
+        )
         self.assertEqual(loaded.module()(self.x), Model()(self.x))
         self.assertEqual(loaded.module()(self.x + 2), Model()(self.x + 2))
 
@@ -70,10 +79,16 @@ class TestExportSaveAutogradFunction(TestCase):
         )
         self.assertNotIn("antigravity", sys.modules)
         for name, message in (
-            ("antigravity.Fly", "antigravity.Fly is not an autograd Function: import antigravity first."),
+            (
+                "antigravity.Fly",
+                "antigravity.Fly is not an autograd Function: import antigravity first.",
+            ),
             ("os.system", "os.system is not an autograd Function."),
         ):
-            with self.subTest(name=name), self.assertRaisesRegex(RuntimeError, f"^{message}$"):
+            with (
+                self.subTest(name=name),
+                self.assertRaisesRegex(RuntimeError, f"^{message}$"),
+            ):
                 _call_custom_autograd_function_in_pre_dispatch(name, "echo")
         self.assertNotIn("antigravity", sys.modules)
 

@@ -21,7 +21,10 @@ class TestExportSaveError(TestCase):
                 earlier = f.read()
             for target in (path, os.path.join(tmp, "other.pt2")):
                 # fails after the program is written: an extra file is a str
-                with self.subTest(target=target), self.assertRaisesRegex(AssertionError, "Expected string"):
+                with (
+                    self.subTest(target=target),
+                    self.assertRaisesRegex(AssertionError, "Expected string"),
+                ):
                     torch.export.save(ep, target, extra_files={"notes.txt": 2})
             self.assertEqual(os.listdir(tmp), ["model.pt2"])
             with open(path, "rb") as f:

@@ -609,6 +609,26 @@ class TestExportHFKVCache(TestCase):
             ep.module()(tokens[1], cache)
 
     @unittest.skipIf(not HAS_CACHE_LAYERS, "needs transformers >= 4.56 cache layers")
+    def test_a_window_that_fills_is_named_a_branch(self):
+        # exported with Dim.AUTO before the window is full: the guard that fails
+        # later gives the values, and names the model's branch, not Dim.AUTO
+        step, state = _build_case("mistral_dynamic_sliding", prompt=2)
+        module = _export(
+            step, self._tokens(1)[0], state, _auto_cache_shapes(state), strict=False
+        ).module()
+        cache = state[-1]
+        with self.assertRaises(AssertionError) as cm:
+            for token in self._tokens(2 * SLIDING_WINDOW):
+                _, cache = module(token, *state[:-1], cache)
+        message = str(cm.exception)
+        self.assertRegex(
+            message,
+            r"^Guard failed: .*\n  cache\.layers\[0\]\.\w+.*: \d+ in this call(, \d+| and) at export\n",
+        )
+        self.assertIn("\nThe model's code required this of its inputs at export", message)
+        self.assertNotIn("Dim.AUTO", message)
+
+    @unittest.skipIf(not HAS_CACHE_LAYERS, "needs transformers >= 4.56 cache layers")
     @parametrize("helper", ["executorch", "exporters"])
     def test_dynamic_shapes_after_transformers_helper(self, helper):
         # transformers' own helpers register cache classes exactly, which wins over

@@ -22,6 +22,8 @@ import tempfile
 import textwrap
 import unittest
 
+from hf_decode_models import build, cache_argument, MODELS, NEW_TOKENS
+
 import torch
 from torch.testing._internal.common_utils import (
     instantiate_parametrized_tests,
@@ -29,8 +31,6 @@ from torch.testing._internal.common_utils import (
     run_tests,
     TestCase,
 )
-
-from hf_decode_models import build, cache_argument, MODELS, NEW_TOKENS
 
 
 HAS_CACHE_LAYERS = importlib.util.find_spec("transformers") is not None
@@ -94,13 +94,22 @@ class TestExportHFSaveDecode(TestCase):
                 dynamic_shapes=(None, {1: auto}, auto),
             )
             eager = model.generate(
-                prompt, max_new_tokens=NEW_TOKENS, do_sample=False, min_new_tokens=NEW_TOKENS
+                prompt,
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                min_new_tokens=NEW_TOKENS,
             )
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "step.pt2")
             torch.export.save(ep, path)
             proc = subprocess.run(
-                [sys.executable, "-c", textwrap.dedent(LOAD_AND_DECODE), path, str(NEW_TOKENS)],
+                [
+                    sys.executable,
+                    "-c",
+                    textwrap.dedent(LOAD_AND_DECODE),
+                    path,
+                    str(NEW_TOKENS),
+                ],
                 capture_output=True,
                 text=True,
                 cwd=tmp,
