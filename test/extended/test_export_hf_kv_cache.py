@@ -609,6 +609,27 @@ class TestExportHFKVCache(TestCase):
             ep.module()(tokens[1], cache)
 
     @unittest.skipIf(not HAS_CACHE_LAYERS, "needs transformers >= 4.56 cache layers")
+    @parametrize("case", ["gpt2_dynamic", "gpt2_static", "gemma2_static_hybrid"])
+    def test_shapes_of_keys_and_values(self, case):
+        # one shape per key and value, layer by layer, as onnx-diagnostic's
+        # make_dynamic_shapes_kv_cache gives them; the rest of the cache Dim.AUTO
+        _, (cache,) = _build_case(case)
+
+        class Keys(torch.nn.Module):
+            def forward(self, cache):
+                return [layer.keys * 2 + layer.values for layer in cache.layers]
+
+        shapes = [{2: Dim.DYNAMIC}] * (2 * len(cache.layers))
+        ep = _export(Keys(), cache, (), (shapes,), strict=False)
+        longer = py_pytree.tree_map(
+            lambda x: torch.cat([x, x], 2) if isinstance(x, torch.Tensor) and x.dim() == 4 else x,
+            cache,
+        )
+        self.assertEqual(ep.module()(longer), Keys()(longer))
+        with self.assertRaisesRegex(ValueError, "Node arity mismatch"):  # not 2 per layer
+            _export(Keys(), cache, (), (shapes[1:],), strict=False)
+
+    @unittest.skipIf(not HAS_CACHE_LAYERS, "needs transformers >= 4.56 cache layers")
     def test_a_window_that_fills_is_named_a_branch(self):
         # exported with Dim.AUTO before the window is full: the guard that fails
         # later gives the values, and names the model's branch, not Dim.AUTO
