@@ -129,8 +129,11 @@ class TestGuardMessageRule(TestCase):
                 fn(torch.ones(9), 3, 3)
             self.assertEqual(str(cm.exception), f"Guard failed: {message}")
 
+
 # the end of the message of a guard that the model's code made
-BRANCH = "a branch (a counter reaching a sliding window, say) needs one program per side"
+BRANCH = (
+    "a branch (a counter reaching a sliding window, say) needs one program per side"
+)
 
 
 @dataclasses.dataclass

@@ -644,7 +644,8 @@ class TestExportHFKVCache(TestCase):
         message = str(cm.exception)
         self.assertRegex(
             message,
-            r"^Guard failed: .*\n  cache\.layers\[0\]\.\w+.*: \d+ in this call(, \d+| and) at export\n",
+            r"^Guard failed: .*\n"
+            r"  cache\.layers\[0\]\.\w+.*: \d+ in this call(, \d+| and) at export\n",
         )
         self.assertIn("\nThe model's code required this of its inputs at export", message)
         self.assertNotIn("Dim.AUTO", message)
