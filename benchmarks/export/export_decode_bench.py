@@ -153,6 +153,8 @@ def child(models: list[str], repeats: int) -> dict[str, float]:
     medians = {}
     for name in models:
         model, first, cache_name = _model(name)
+        if hasattr(pytree, "_update_pytree_families"):  # as export does, for _auto
+            pytree._update_pytree_families()
         shapes = {
             k: _auto(v) if k == cache_name else _none(v) for k, v in first.items()
         }
