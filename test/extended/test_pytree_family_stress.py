@@ -231,7 +231,7 @@ class TestPytreeFamilyThreads(FamilyTestCase):
 
 
     def test_member_is_never_a_leaf_while_registrations_churn(self) -> None:
-        # Two threads create members of a family, register them at a boundary
+        # Two threads create 200 members of a family, register them at a boundary
         # and replace each one's derived registration with an exact one, as fast
         # as they can, with a switch interval of 1 us; six others flatten the
         # newest member with both pytrees: never a leaf. When the churn ends,
@@ -247,13 +247,13 @@ class TestPytreeFamilyThreads(FamilyTestCase):
         switch = sys.getswitchinterval()
         self.addCleanup(sys.setswitchinterval, switch)
         sys.setswitchinterval(1e-6)
-        deadline = time.monotonic() + 2.0
+        done = threading.Event()  # set when the churn ends
         errors: list[str] = []
         flattens = [0] * 6
 
         def churn(i: int) -> None:
             try:
-                while time.monotonic() < deadline:
+                while len(created) < 200 and not errors:
                     cls = dataclasses.make_dataclass(f"Churned{i}", [], bases=(Base,))
                     py_pytree._update_pytree_families()
                     newest[0] = cls
@@ -268,23 +268,28 @@ class TestPytreeFamilyThreads(FamilyTestCase):
 
         def flatten(i: int) -> None:
             pytree = _PYTREE_MODULES[i % len(_PYTREE_MODULES)]
-            while time.monotonic() < deadline:
+            while not done.is_set():
                 leaves = pytree.tree_leaves(newest[0](1, 2))
                 flattens[i] += 1
                 if leaves != [1, 2]:
                     errors.append(f"{pytree.__name__}: {leaves}")
                     return
 
-        threads = [threading.Thread(target=churn, args=(i,)) for i in range(2)]
-        threads += [threading.Thread(target=flatten, args=(i,)) for i in range(6)]
+        churners = [threading.Thread(target=churn, args=(i,)) for i in range(2)]
+        threads = churners + [
+            threading.Thread(target=flatten, args=(i,)) for i in range(6)
+        ]
         for t in threads:
             t.start()
+        for t in churners:
+            t.join(timeout=120)
+        done.set()
         for t in threads:
             t.join(timeout=60)
         self.assertFalse(any(t.is_alive() for t in threads), "a thread hangs")
         self.assertFalse(errors, "\n".join(errors[:3]))
         self.assertGreater(min(flattens), 100)
-        self.assertGreater(len(created), 100)
+        self.assertGreaterEqual(len(created), 200)
         for cls in created:  # exact, in both pytrees, as after a sequential run
             self.assertIsNone(py_pytree._family_of(py_pytree.SUPPORTED_NODES[cls]))
             for pytree in _PYTREE_MODULES:
