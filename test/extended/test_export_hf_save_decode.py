@@ -33,11 +33,15 @@ from torch.testing._internal.common_utils import (
 )
 
 
-HAS_CACHE_LAYERS = importlib.util.find_spec("transformers") is not None
+# transformers >= 4.56: caches made of layers (4.31.0 has no cache_utils at all)
+HAS_CACHE_LAYERS = (
+    importlib.util.find_spec("transformers") is not None
+    and importlib.util.find_spec("transformers.cache_utils") is not None
+)
 if HAS_CACHE_LAYERS:
-    import transformers
+    from transformers import cache_utils
 
-    HAS_CACHE_LAYERS = hasattr(transformers.DynamicCache(), "layers")
+    HAS_CACHE_LAYERS = hasattr(cache_utils, "DynamicLayer")
 
 PROMPT = [1, 64, 8, 31, 90]
 
