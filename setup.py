@@ -34,7 +34,6 @@ setup(
         # PyTorch's CI (nox -s tests-ci-pins)
         "test-core": _TEST_CORE,
         "test": _TEST_CORE + ["transformers"],
-        "bench": ["matplotlib"],
     },
     entry_points={"console_scripts": ["torch-patch = torch_patch.cli:main"]},
 )

@@ -8,6 +8,7 @@ listed, not run. It exits with status 1, listing them, when a command fails.
 """
 
 import argparse
+import concurrent.futures
 import os
 import re
 import shutil
@@ -48,7 +49,10 @@ def test_plan_commands(patch: Path) -> list[list[str]]:
 
 
 def check_commits(only: set[int], work: Path) -> list[str]:
-    """The Test Plan commands that fail at their commit (of commits ``only``, when given)."""
+    """The Test Plan commands that fail at their commit (of commits ``only``, when given).
+
+    Two commits at a time (each in its own dev tree): most of a check is copying torch and
+    importing it, on one core."""
     series = work / "series"
     run_quietly("torch-patch", "export", str(series))
     library = [
@@ -56,36 +60,48 @@ def check_commits(only: set[int], work: Path) -> list[str]:
     ]
     exported = (series / "series").read_text().split()
     have: list[str] = []  # this repo's files that the commits so far carry
-    failed: list[str] = []
-    env = {**os.environ, "HYPOTHESIS_STORAGE_DIRECTORY": str(work / "hypothesis")}
+    jobs = []
     for k, name in enumerate(library, 1):
         patch = series / exported[k - 1]
-        added = re.findall(r"^diff --git a/((?:test|benchmarks)/\S+) ", patch.read_text(), re.M)
-        have += added
-        if (only and k not in only) or (not only and k == len(library)):
+        have += re.findall(r"^diff --git a/((?:test|benchmarks)/\S+) ", patch.read_text(), re.M)
+        if not (only and k not in only) and (only or k != len(library)):
+            jobs.append((k, name, patch, list(have), library[:k], work))
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        return [f for failed in pool.map(lambda job: check_commit(*job), jobs) for f in failed]
+
+
+def check_commit(
+    k: int, name: str, patch: Path, have: list[str], library: list[str], work: Path
+) -> list[str]:
+    """Commit ``k``'s Test Plan commands that fail in a dev tree of patches 1..k."""
+    prefix = work / f"series-{k}"
+    prefix.mkdir()
+    for lib in library:
+        shutil.copyfile(PATCHES / lib, prefix / lib)
+    (prefix / "series").write_text("".join(f"{lib}\n" for lib in library))
+    tree = work / f"tree-{k}"
+    run_quietly("torch-patch", "dev", str(tree), "--series", str(prefix))
+    env = {**os.environ, "HYPOTHESIS_STORAGE_DIRECTORY": str(work / "hypothesis")}
+    env["PYTHONPATH"] = str(tree)
+    for rel in have:
+        (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(REPO / rel, tree / rel)
+    failed = []
+    for command in test_plan_commands(patch):
+        shown = f"python {' '.join(command)}"
+        if command[0] not in have or any("<" in word for word in command):
+            log(f"commit {k}: not run (needs what this repo does not have): {shown}")
             continue
-        prefix = work / f"series-{k}"
-        prefix.mkdir()
-        for lib in library[:k]:
-            shutil.copyfile(PATCHES / lib, prefix / lib)
-        (prefix / "series").write_text("".join(f"{lib}\n" for lib in library[:k]))
-        tree = work / f"tree-{k}"
-        run_quietly("torch-patch", "dev", str(tree), "--series", str(prefix))
-        env["PYTHONPATH"] = str(tree)
-        for rel in have:
-            (tree / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(REPO / rel, tree / rel)
-        for command in test_plan_commands(patch):
-            shown = f"python {' '.join(command)}"
-            if command[0] not in have or any("<" in word for word in command):
-                log(f"commit {k}: not run (needs what this repo does not have): {shown}")
-                continue
-            log(f"commit {k} ({name}): {shown}")
-            code = subprocess.run([sys.executable, *command], cwd=tree, env=env).returncode
-            if code:
-                log(f"commit {k} ({name}): {shown} failed with exit code {code}")
-                failed.append(f"commit {k} ({name}): {shown}")
-        shutil.rmtree(tree, ignore_errors=True)
+        done = subprocess.run(
+            [sys.executable, *command], cwd=tree, env=env, text=True,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        )
+        last = (done.stdout.strip().splitlines() or [""])[-1]
+        log(f"commit {k} ({name}): {shown}: exit code {done.returncode} ({last})")
+        if done.returncode:
+            log(done.stdout)
+            failed.append(f"commit {k} ({name}): {shown}")
+    shutil.rmtree(tree, ignore_errors=True)
     return failed
 
 

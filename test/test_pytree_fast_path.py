@@ -9,7 +9,9 @@ definition: a straightforward recursion over ``SUPPORTED_NODES`` and
 """
 
 import collections
+import copy
 import dataclasses
+import pickle
 import warnings
 from collections import defaultdict, deque, namedtuple, OrderedDict
 from typing import Any
@@ -124,6 +126,28 @@ TreeSpec(dict, ['a', 'b'], [TreeSpec(list, None, [*,
     TreeSpec(tuple, None, [*])]),
   *])""",
         )
+
+    def test_spec_stays_frozen_and_checked(self) -> None:
+        _, spec = py_pytree.tree_flatten({"a": [1, (2,)], "b": None})
+        self.assertEqual(
+            (spec.num_nodes, spec.num_leaves, spec.num_children), (6, 3, 2)
+        )
+        with self.assertRaises(dataclasses.FrozenInstanceError):
+            spec.num_leaves = 0  # type: ignore[misc]
+        for copied in (
+            copy.copy(spec),
+            copy.deepcopy(spec),
+            pickle.loads(pickle.dumps(spec)),
+        ):
+            self.assertEqual(_spec_fields(copied), _spec_fields(spec))
+        with self.assertRaisesRegex(
+            AssertionError, "leaf node should not have a context"
+        ):
+            py_pytree.TreeSpec(None, 0, [])
+        with self.assertRaisesRegex(
+            AssertionError, "leaf node should not have children"
+        ):
+            py_pytree.TreeSpec(None, None, [spec])
 
     def test_registration_and_deregistration_take_effect(self) -> None:
         obj = Box(torch.ones(1))
