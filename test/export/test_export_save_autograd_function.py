@@ -9,7 +9,7 @@ import io
 import sys
 
 import torch
-from torch._export.serde.serialize import SerializeError
+from torch._export.serde.serialize import GraphModuleSerializer, SerializeError
 from torch._export.wrappers import allow_in_pre_dispatch_graph
 from torch._higher_order_ops.flat_apply import _ConstantFunction
 from torch.export.custom_ops import _call_custom_autograd_function_in_pre_dispatch
@@ -101,6 +101,18 @@ class TestExportSaveAutogradFunction(TestCase):
             "custom autograd Functions are saved.",
         ):
             torch.export.save(self.ep, io.BytesIO())
+
+    def test_a_spec_is_saved_only_as_an_argument_of_flat_apply(self) -> None:
+        # Any other get_attr of a TreeSpec is refused, as before: only the
+        # flat_apply branch of the loader makes specs again.
+        node = flat_apply_nodes(self.ep)[0]
+        serializer = GraphModuleSerializer(
+            self.ep.graph_signature, self.ep.module_call_graph
+        )
+        with self.assertRaisesRegex(
+            SerializeError, "Unsupported getattr attribute .*TreeSpec"
+        ):
+            serializer.serialize_input(node.args[1])
 
     @staticmethod
     def spec_of(func: object) -> pytree.TreeSpec:
