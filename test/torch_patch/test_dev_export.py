@@ -112,8 +112,9 @@ def test_dev_export_shares_a_patch_of_an_earlier_line(tmp_path, dev_tree):
 
 
 def test_shipped_series_of_every_line():
-    """Each line has the same concerns in the same order, but for the changes its release already has (2.15
-    serializes structseqs by name); a shared entry names a file of an earlier line."""
+    """Each line has the same concerns in the same order, but for the changes its release already has (2.14
+    traces slot setters in Dynamo, 2.15 also serializes structseqs by name); a shared entry names a file of an
+    earlier line."""
     subjects = []
     for i, line in enumerate(core.RELEASE_LINES):
         series = core.load_series(line=line)
@@ -121,7 +122,8 @@ def test_shipped_series_of_every_line():
             assert entry == patch.name or entry == f"../{patch.path.parent.name}/{patch.name}"
             assert patch.path.parent.name in list(core.RELEASE_LINES)[:i + 1] and patch.path.is_file()
         subjects.append([re.search(rb"^Subject: \[PATCH\] (.*)$", p.data, re.M)[1] for p in series.patches])
-    upstream_has = {"2.15": (b"[pytree] Serialize the structseqs",)}  # subjects' first lines
+    dynamo = b"[dynamo] Trace member_descriptor.__set__"
+    upstream_has = {"2.14": (dynamo,), "2.15": (dynamo, b"[pytree] Serialize the structseqs")}  # subjects' starts
     for line, s in zip(core.RELEASE_LINES, subjects):
         expected = [t for t in subjects[0] if not t.startswith(upstream_has.get(line, (b"\0",)))]
         assert s == expected, line
