@@ -3,7 +3,8 @@
 """Tracing ``member_descriptor.__set__``: storing a ``__slots__`` field through
 its descriptor, which bypasses a ``__setattr__`` override of the class (as
 ``object.__setattr__`` does). ``torch.utils._pytree.TreeSpec.__init__`` stores
-its fields that way, so every pytree flattened in compiled code goes through it.
+its fields that way, so every pytree flattened in compiled code goes through it
+(``test_compile_fullgraph`` in ``test/test_pytree_fast_path.py``).
 """
 
 import dataclasses
@@ -12,7 +13,6 @@ from typing import Any
 
 import torch
 import torch._dynamo.test_case
-import torch.utils._pytree as pytree
 from torch._dynamo.testing import CompileCounter
 from torch.testing._internal.common_utils import skipIfTorchDynamo
 
@@ -92,28 +92,6 @@ class MemberDescriptorSetTests(torch._dynamo.test_case.TestCase):
         # Not traced (a graph break): the call runs in eager and raises the same.
         with self.assertRaisesRegex(TypeError, "doesn't apply to a 'Unrelated' object"):
             torch.compile(fn, backend="eager")(Unrelated(), t)
-
-    @skipIfTorchDynamo("counts its own compiled frames: a compiled test inlines them")
-    def test_pytree_flatten_in_graph(self) -> None:
-        def fn(t: torch.Tensor) -> tuple[list[torch.Tensor], pytree.TreeSpec]:
-            tree = [{"a": t, "b": (t, t + 1), "c": [t, t * 2, t]}] * 3
-            return pytree.tree_flatten(tree)
-
-        cnt = CompileCounter()
-        t = torch.randn(2)
-        leaves, spec = torch.compile(fn, backend=cnt, fullgraph=True)(t)
-        expected_leaves, expected_spec = fn(t)
-        self.assertEqual(cnt.frame_count, 1)
-        self.assertEqual(leaves, expected_leaves)
-        self.assertEqual(spec, expected_spec)
-        self.assertEqual(
-            (spec.num_nodes, spec.num_leaves, spec.num_children),
-            (expected_spec.num_nodes, expected_spec.num_leaves, 3),
-        )
-        self.assertEqual(
-            pytree.tree_unflatten(leaves, spec),
-            [{"a": t, "b": (t, t + 1), "c": [t, t * 2, t]}] * 3,
-        )
 
 
 if __name__ == "__main__":
